@@ -1,0 +1,453 @@
+"""Tests for common.py: strict config loading, runs, metrics, step lines, atomic writes.
+
+The configs below use `from __future__ import annotations` on purpose: every
+annotation is a string, as in the scripts, so the loader must resolve them.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+
+from common import (
+    ConfigError, atomic_dir, atomic_write_text, config_to_dict, format_config, format_step,
+    git_revision, load_config, MetricsWriter, parse_args, read_metrics, save_config,
+    seed_everything, start_run,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    dropout: float | None = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, ...] = (0.9, 0.999)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+@dataclass
+class Config:
+    name: str = "test"
+    runs_dir: str = "runs"
+    seed: int = 0
+    steps: int = 10
+    bf16: bool = False
+    max_len: int | None = 512
+    weights: dict[str, float] = field(default_factory=lambda: {"factuality": 1.0})
+    # A group whose default differs from its class defaults: overrides must keep rank=8.
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+
+
+@dataclass
+class Required:
+    name: str
+    seed: int = 0
+
+
+@dataclass
+class BadUnion:
+    x: int | str = 1
+
+
+def yaml_file(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def load(tmp_path, yaml_text=None, cli=()):
+    argv = ["--config", yaml_file(tmp_path, yaml_text)] if yaml_text is not None else []
+    return load_config(Config, argv + list(cli))
+
+
+# --- loading: defaults, YAML, command line, precedence ---------------------------------
+
+
+def test_defaults():
+    assert load_config(Config, []) == Config()
+    assert load_config(Config, []).lora.rank == 8
+
+
+def test_yaml_overrides(tmp_path):
+    cfg = load(tmp_path, "steps: 3\nlora:\n  alpha: 4\noptim:\n  lr: 1e-4\n  schedule: linear\n")
+    assert (cfg.steps, cfg.optim.schedule) == (3, "linear")
+    assert cfg.lora.alpha == 4.0 and isinstance(cfg.lora.alpha, float)
+    assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float)  # PyYAML gave the str "1e-4"
+    assert cfg.lora.rank == 8  # untouched key of an overridden group keeps its default
+    assert cfg.seed == 0
+
+
+@pytest.mark.parametrize("yaml_text, cli, expected", [
+    (None, [], 10),                          # default
+    ("steps: 20\n", [], 20),                 # file beats default
+    (None, ["steps=30"], 30),                # command line beats default
+    ("steps: 20\n", ["steps=30"], 30),       # command line beats file
+    ("steps: 20\n", ["steps=30", "steps=40"], 40),  # last override wins
+    ("seed: 1\n", ["lora.rank=2"], 10),      # unrelated keys leave it alone
+])
+def test_precedence(tmp_path, yaml_text, cli, expected):
+    assert load(tmp_path, yaml_text, cli).steps == expected
+
+
+def test_cli_beats_yaml_in_nested_group(tmp_path):
+    cfg = load(tmp_path, "lora:\n  rank: 4\n  alpha: 2\n", ["lora.rank=64"])
+    assert (cfg.lora.rank, cfg.lora.alpha) == (64, 2.0)
+
+
+@pytest.mark.parametrize("cli, attr, expected", [
+    (["name=001"], "name", "001"),                     # str keeps the raw text
+    (["max_len=none"], "max_len", None),
+    (["max_len=NULL"], "max_len", None),
+    (["max_len=7"], "max_len", 7),
+    (["lora.dropout=0.1"], "lora.dropout", 0.1),
+    (["lora.targets=[a, b]"], "lora.targets", ["a", "b"]),
+    (["lora.targets=[]"], "lora.targets", []),
+    (["optim.betas=[0.8, 1]"], "optim.betas", (0.8, 1.0)),
+    (["weights={a: 2, b: 0.5}"], "weights", {"a": 2.0, "b": 0.5}),
+    (["optim.lr=3e-5"], "optim.lr", 3e-5),
+    (["lora.alpha=3"], "lora.alpha", 3.0),
+    (["optim.schedule=constant"], "optim.schedule", "constant"),
+    *[([f"bf16={w}"], "bf16", True) for w in ("true", "True", "yes", "1", "on", "ON")],
+    *[([f"bf16={w}"], "bf16", False) for w in ("false", "FALSE", "no", "0", "off")],
+])
+def test_cli_values_coerced_by_type(cli, attr, expected):
+    value = load_config(Config, cli)
+    for part in attr.split("."):
+        value = getattr(value, part)
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("yaml_text, attr, expected", [
+    ("max_len: null\n", "max_len", None),
+    ("optim:\n  lr: 1e-4\n", "optim.lr", 1e-4),
+    ("optim:\n  lr: '2.5'\n", "optim.lr", 2.5),
+    ("optim:\n  betas: [0.5, 0.6]\n", "optim.betas", (0.5, 0.6)),
+    ("steps: '12'\n", "steps", 12),
+    ("bf16: yes\n", "bf16", True),
+    ("name: '001'\n", "name", "001"),
+    ("weights: {x: 1}\n", "weights", {"x": 1.0}),
+    ("", "steps", 10),  # an empty file is an empty mapping
+])
+def test_yaml_values_coerced_by_type(tmp_path, yaml_text, attr, expected):
+    value = load(tmp_path, yaml_text)
+    for part in attr.split("."):
+        value = getattr(value, part)
+    assert value == expected and type(value) is type(expected)
+
+
+# --- strictness: unknown keys, wrong types, malformed arguments -------------------------
+
+
+@pytest.mark.parametrize("yaml_text, cli, needles", [
+    ("stesp: 3\n", [], ["'stesp'", "cfg.yaml", "did you mean 'steps'"]),
+    ("lora:\n  rnak: 4\n", [], ["'lora.rnak'", "cfg.yaml", "did you mean 'lora.rank'"]),
+    ("optim:\n  shedule: linear\n", [], ["'optim.shedule'", "'optim.schedule'"]),
+    (None, ["stpes=3"], ["'stpes'", "command line", "did you mean 'steps'"]),
+    (None, ["lora.rnak=16"], ["'lora.rnak'", "command line", "did you mean 'lora.rank'"]),
+    (None, ["rank=16"], ["'rank'", "'lora.rank'"]),       # right leaf, missing group
+    (None, ["lr=1e-3"], ["'lr'", "did you mean 'optim.lr'"]),  # too short for difflib alone
+    (None, ["seed.x=1"], ["'seed.x'", "command line"]),   # a scalar used as a group
+    (None, ["nope.rank=1"], ["'nope.rank'", "'lora.rank'"]),
+])
+def test_unknown_key(tmp_path, yaml_text, cli, needles):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, yaml_text, cli)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("yaml_text, cli, needles", [
+    ("steps: 1.5\n", [], ["'steps'", "int", "1.5", "cfg.yaml"]),         # float for int
+    (None, ["steps=1.5"], ["'steps'", "int", "'1.5'", "command line"]),
+    ("steps: 2.0\n", [], ["'steps'", "int", "2.0"]),                     # even a whole float
+    ("steps: true\n", [], ["'steps'", "int", "True", "bool"]),            # bool is not an int
+    ("optim:\n  lr: true\n", [], ["'optim.lr'", "float", "True"]),
+    ("optim:\n  lr: fast\n", [], ["'optim.lr'", "float", "'fast'"]),      # str for float
+    (None, ["optim.lr=abc"], ["'optim.lr'", "float", "'abc'", "command line"]),
+    ("optim:\n  schedule: step\n", [], ["'optim.schedule'", "'cosine'", "'linear'", "'step'"]),
+    (None, ["optim.schedule=step"], ["'optim.schedule'", "'constant'", "'step'"]),
+    ("name: 1\n", [], ["'name'", "str", "quote"]),                        # YAML int for str
+    (None, ["bf16=maybe"], ["'bf16'", "bool", "'maybe'"]),
+    ("lora:\n  targets: [q, 1]\n", [], ["'lora.targets[1]'", "str", "1"]),
+    ("lora:\n  targets: q_proj\n", [], ["'lora.targets'", "list", "'q_proj'"]),
+    (None, ["weights=[1]"], ["'weights'", "dict", "[1]"]),
+    (None, ["weights={a: x}"], ["weights['a']", "float", "'x'"]),
+    ("max_len: abc\n", [], ["'max_len'", "int", "'abc'"]),
+    (None, ["optim.betas=[a"], ["'optim.betas'", "cannot parse"]),
+    ("steps:\n  a: 1\n", [], ["'steps'", "int", "{'a': 1}"]),             # mapping for scalar
+    ("lora: 3\n", [], ["'lora'", "mapping", "cfg.yaml"]),                 # scalar for group
+    (None, ["lora=3"], ["'lora'", "group", "lora."]),
+    ("- 1\n- 2\n", [], ["top level", "mapping"]),
+    ("steps: 1\nsteps: 2\n", [], ["duplicate key 'steps'", "cfg.yaml"]),
+])
+def test_bad_value(tmp_path, yaml_text, cli, needles):
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, yaml_text, cli)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["steps"], "'steps'"),
+    (["=3"], "'=3'"),
+    (["--xyz"], "'--xyz'"),
+    (["--plan"], "'--plan'"),   # load_config accepts no flags
+    (["--config"], "needs a file name"),
+    (["--config", "a.yaml", "--config", "b.yaml"], "more than once"),
+    (["--config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml"),
+])
+def test_bad_arguments(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, argv)
+    assert needle in str(e.value)
+
+
+def test_config_equals_form_and_flags(tmp_path):
+    path = yaml_file(tmp_path, "steps: 5\n")
+    cfg, flags = parse_args(Config, [f"--config={path}", "--plan", "seed=3"], flags=("--plan",))
+    assert (cfg.steps, cfg.seed, flags) == (5, 3, {"--plan"})
+    assert parse_args(Config, ["seed=3"], flags=("--plan",))[1] == set()
+
+
+def test_help_lists_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(Config, ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "lora.rank: int [8]" in out and "optim.schedule: one of" in out
+
+
+def test_post_init_sees_final_values():
+    with pytest.raises(ValueError, match="steps must be"):
+        load_config(Config, ["steps=-1"])
+
+
+def test_required_key():
+    with pytest.raises(ConfigError, match="missing required key.*name"):
+        load_config(Required, [])
+    assert load_config(Required, ["name=x"]) == Required(name="x")
+
+
+def test_unsupported_annotation_is_a_programming_error():
+    with pytest.raises(TypeError, match="unsupported|unions"):
+        load_config(BadUnion, ["x=2"])
+
+
+def test_argv_defaults_to_sys_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["prog", "steps=4"])
+    assert load_config(Config).steps == 4
+
+
+# --- saving and round trip --------------------------------------------------------------
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(Config, ["name=001", "optim.lr=1e-5", "optim.betas=[0.5, 0.7]",
+                               "max_len=none", "weights={a: 0.25}", "lora.targets=[x]",
+                               "bf16=yes", "lora.dropout=0.05"])
+    path = tmp_path / "out" / "config.yaml"
+    save_config(cfg, path)
+    assert load_config(Config, ["--config", str(path)]) == cfg
+    assert config_to_dict(cfg)["optim"]["betas"] == [0.5, 0.7]  # plain list, not tuple
+    assert format_config(cfg) == path.read_text()
+
+
+# --- runs, step lines, metrics ----------------------------------------------------------
+
+
+def test_start_run(tmp_path, capsys):
+    cfg = load_config(Config, ["name=exp1", f"runs_dir={tmp_path / 'runs'}", "steps=3"])
+    run = start_run(cfg)
+    assert run.dir == tmp_path / "runs" / "exp1"
+    assert load_config(Config, ["--config", str(run.dir / "config.yaml")]) == cfg
+    rev = (run.dir / "git.txt").read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{40}( dirty)?|unknown", rev), rev
+    out = capsys.readouterr().out
+    assert out.count("steps: 3") == 1  # resolved config printed once
+    line = run.log(1, 3, {"loss": 0.5, "len": 12}, 0.25)
+    assert line == "step 1/3 | loss 0.5 | len 12 | 0.2s"
+    assert line in capsys.readouterr().out
+    assert read_metrics(run.dir / "metrics.jsonl") == [
+        {"step": 1, "loss": 0.5, "len": 12, "time_s": 0.25}]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/../..", "/abs"])
+def test_start_run_rejects_bad_names(tmp_path, name):
+    with pytest.raises(ConfigError):
+        start_run(Config(name=name, runs_dir=str(tmp_path)))
+
+
+def test_git_revision_outside_a_repo(tmp_path):
+    assert git_revision(tmp_path) == "unknown"
+
+
+def test_format_step_exact():
+    fields = {"reward": 0.41, "pass": 0.18, "kl": 0.0021, "len": 63}
+    assert format_step(42, 500, fields, 8.1) == \
+        "step 42/500 | reward 0.41 | pass 0.18 | kl 2.1e-03 | len 63 | 8.1s"
+
+
+@pytest.mark.parametrize("value, text", [
+    (0, "0"), (0.0, "0"), (63, "63"), (np.int64(7), "7"), (0.123456, "0.123"),
+    (-0.005, "-5e-03"), (0.01, "0.01"), (1.23456e-5, "1.23e-05"), (12.3456, "12.3"),
+    (1234.5, "1.23e+03"), (float("nan"), "nan"), (np.float32(0.5), "0.5"),
+    (True, "True"), ("abc", "abc"),
+])
+def test_format_step_values(value, text):
+    assert format_step(1, None, {"x": value}, 0.0) == f"step 1 | x {text} | 0.0s"
+
+
+def test_metrics_round_trip(tmp_path):
+    path = tmp_path / "m" / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write(step=1, loss=0.5, kl=np.float32(0.25), name="a", hist=[1, 2])
+    writer.write(step=2, loss=float("nan"), kl=float("inf"), grad=-math.inf)
+    lines = path.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # strict JSON: no bare NaN/Infinity
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+    first, second = read_metrics(path)
+    assert first == {"step": 1, "loss": 0.5, "kl": 0.25, "name": "a", "hist": [1, 2]}
+    assert math.isnan(second["loss"]) and second["kl"] == math.inf and second["grad"] == -math.inf
+
+
+def test_read_metrics_names_bad_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "loss": \n{"step": 3}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2")):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2")):
+        read_metrics(path)
+
+
+# --- atomic writes ----------------------------------------------------------------------
+
+
+def test_atomic_write_text_replaces_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "sub" / "f.txt"
+    atomic_write_text(path, "one")
+    atomic_write_text(path, "two")
+    assert path.read_text() == "two"
+    assert os.listdir(path.parent) == ["f.txt"]
+
+
+def test_atomic_dir_failure_leaves_nothing(tmp_path):
+    final = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as d:
+            (d / "weights.bin").write_bytes(b"x")
+            raise RuntimeError("crash mid-save")
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_dir_failure_keeps_existing(tmp_path):
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "old.bin").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as d:
+            (d / "new.bin").write_text("new")
+            raise RuntimeError
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(final) == ["old.bin"]
+
+
+def test_atomic_dir_replaces_existing(tmp_path):
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "old.bin").write_text("old")
+    with atomic_dir(final) as d:
+        assert d.parent == tmp_path and d != final
+        assert not (final / "new.bin").exists()  # nothing visible before the block ends
+        (d / "new.bin").write_text("new")
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(final) == ["new.bin"]
+
+
+# --- seeding and import cost ------------------------------------------------------------
+
+
+def test_seed_everything_repeats():
+    import random
+    import torch
+
+    def draw():
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    seed_everything(123)
+    first = draw()
+    seed_everything(123)
+    assert draw() == first
+    seed_everything(124)
+    assert draw() != first
+
+
+def test_common_imports_without_torch():
+    code = "import sys, common; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# --- every config file loads -----------------------------------------------------------
+
+# configs/ file-name prefix -> the script whose Config loads it. The longest prefix wins.
+SCRIPT_FOR_PREFIX = {
+    "sft_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
+    "filter_": "filter_traces", "eval_": "eval", "distill_": "distill",
+}
+
+
+def script_for(filename: str) -> str | None:
+    matches = [p for p in SCRIPT_FOR_PREFIX if filename.startswith(p)]
+    return SCRIPT_FOR_PREFIX[max(matches, key=len)] if matches else None
+
+
+@pytest.mark.parametrize("filename, script", [
+    ("sft_warmup.yaml", "sft"), ("drgrpo_v17.yaml", "rl"), ("tiny.yaml", "rl"),
+    ("tiny_cpu.yaml", "rl"), ("eval_heldout.yaml", "eval"), ("notes.yaml", None),
+    ("rl_v17.yaml", None),
+])
+def test_script_for(filename, script):
+    assert script_for(filename) == script
+
+
+def test_every_config_file_loads():
+    failures = []
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        script = script_for(path.name)
+        if script is None:
+            failures.append(f"{path.name}: no script for this name; add its prefix to "
+                            f"SCRIPT_FOR_PREFIX in tests/test_config.py")
+            continue
+        try:
+            module = importlib.import_module(script)
+        except ModuleNotFoundError as e:
+            if e.name != script:
+                raise
+            failures.append(f"{path.name}: its script {script}.py does not exist")
+            continue
+        try:
+            load_config(module.Config, ["--config", str(path)])
+        except ConfigError as e:
+            failures.append(f"{path.name}: {e}")
+    assert not failures, "\n".join(failures)
