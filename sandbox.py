@@ -142,7 +142,7 @@ def _is_boundary(text: str, m: "regex.Match", nxt: int) -> bool:
         return False
     if m.group().rstrip("\"'”’)]»") != ".":
         return True  # '!', '?', ellipsis followed by a capital
-    w = _PREV_WORD.search(text, 0, m.start())
+    w = _PREV_WORD.search(text, max(0, m.start() - 40), m.start())
     if not w:
         return True
     word = w.group(1)
