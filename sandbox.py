@@ -408,6 +408,8 @@ class Call:
     arg: str | None  # the query, or the scope
     valid: bool  # well formed (syntax only: a bad regex is a valid call that errs)
     error: str | None = None  # what the sandbox answered, if it was an error
+    deleted: str | None = None  # for a delete: the summary text it retracted
+    hits: list[int] | None = None  # for a search: indices of the sentences it returned
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -980,7 +982,7 @@ class EpisodeBuilder:
                 lim = self.limits
                 res = self.index.search(call.arg, lim.top_k, lim.result_tokens, self.length_fn,
                                         lim.regex_timeout_s, lim.max_query_chars, lim.max_repeat_product)
-                call.error = res.error
+                call.error, call.hits = res.error, res.hits
                 injected = res.block
         elif injected is None:
             injected = error_block(call.error or "malformed call")
@@ -1040,6 +1042,7 @@ class EpisodeBuilder:
         c = _clause_cut(summary, a, b) if call.arg == "clause" else None
         if c is None:
             c = len(summary[:a].rstrip())
+        call.deleted = summary[c:].strip()
         cut = self._locate(c, runs)
         return self.stream.prune(self.codec, cut, tag_seg, call.start)
 

@@ -226,6 +226,16 @@ def test_delete_semantics(written, summary):
     assert all(c.error is None for c in ep.calls)
 
 
+def test_calls_record_what_they_found_and_retracted():
+    ep = S.replay(DOC, 'Acme grew. Globex shrank, badly<search>/Globex/</search><delete scope="clause"/> slightly.'
+                       '<delete scope="sentence"/>')
+    search, clause, sentence = ep.calls
+    assert search.hits == [5]
+    assert clause.deleted == "badly"
+    assert sentence.deleted == "Globex shrank, slightly."
+    assert ep.summary == "Acme grew."
+
+
 def test_delete_nothing_is_an_error_block():
     ep = S.replay(DOC, '<delete scope="sentence"/>Then text.')
     assert ep.calls[0].error == "nothing to delete"
