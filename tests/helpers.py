@@ -37,3 +37,29 @@ def bpe_tokenizer(vocab_size: int = 400):
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     return fast
+
+
+def tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, dropout: float = 0.0):
+    """A randomly initialised Llama over `tokenizer`'s vocabulary (sdpa attention)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, attention_dropout=dropout)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def script_ids(tokenizer, written: str, eos: bool = True) -> list[int]:
+    """Ids a policy could sample to write `written`: each turn encoded on its own."""
+    import sandbox
+
+    ids, i = [], 0
+    while i < len(written):
+        end = sandbox.find_stop(written, i) or len(written)
+        ids += tokenizer.encode(written[i:end], add_special_tokens=False)
+        i = end
+    return ids + ([tokenizer.eos_token_id] if eos else [])

@@ -1,0 +1,720 @@
+"""The rollout engine: a policy writes summaries while the sandbox answers its tool calls.
+
+Backends, one protocol (`sandbox.EpisodeBuilder` decides every stop, result and
+pruning; the backends only keep their model context equal to the builder's):
+
+- `hf` (reference and CPU path): batched sampling with the KV cache kept across
+  tool calls. Results are appended to their row only; a delete masks the
+  retracted slots of that row and appends the re-encoded tail. All rows advance
+  in lockstep on one cache: a row that needs several ids (results, a pruned
+  tail) gets them in a chunk that the other rows pad with masked slots. Position
+  ids are `cumsum(mask) - 1`, so every row sees exactly its logical context
+  (DESIGN.md section 3). The cache is compacted (masked slots gathered away,
+  exact: RoPE positions are logical) once too much of it is masked, and finished
+  rows leave the batch. Rollouts share their document's prompt: it is prefilled
+  once per document and the cache is expanded to G rows.
+- `hf_naive`: the same protocol, re-prefilling every row's whole context after
+  any tool event (what calling `generate` again after each call costs). The
+  oracle for tests and the baseline of `bench/rollout.py`.
+- `vllm` (GPU): multi-turn requests on token ids; prefix caching makes the
+  resubmitted context cheap, a delete is a resubmission of the pruned context.
+- `api`: an OpenAI-compatible server (teachers), text only; episodes are
+  tokenised canonically later (`Episode.tokenized`).
+
+`episode_logprobs(model, episodes)` scores generated tokens under the contexts
+they were sampled in: per branch (reference) or in one forward pass over a tree
+of branches (fast). SFT, RL and distillation all score through it.
+
+Rollouts always run under `model.eval()` and `torch.no_grad()` (the SN15 bug
+catalog: dropout left on during rollouts).
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import sandbox
+
+
+@dataclass
+class SamplingConfig:
+    backend: Literal["hf", "hf_naive", "vllm", "api"] = "hf"
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256  # generated tokens per episode, all turns together
+    max_context_tokens: int = 4096  # a row whose context would pass this ends, truncated
+    batch_size: int = 64  # rows decoded together (documents x group size); larger inputs are chunked
+    compact_waste: float = 0.5  # compact the KV cache when this share of its slots is masked
+    seed: int = 0
+    # api backend
+    api_base: str = "http://127.0.0.1:8000/v1"
+    api_model: str = ""
+    api_key_env: str = "OPENAI_API_KEY"  # name of the environment variable holding the key
+    api_mode: Literal["completions", "chat"] = "completions"
+    api_timeout_s: float = 60.0
+    api_retries: int = 5
+    api_concurrency: int = 8
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+           processed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens and their log-probs. logits: (B, V) raw model logits.
+
+    The log-prob is that of the policy (log_softmax(logits / T), T = 1 when
+    greedy), before top-p and any logits processor: it is what the trainer
+    recomputes. `processed` (default: logits) is what the choice is made from.
+    """
+    t = temperature if temperature > 0 else 1.0
+    logp = F.log_softmax(logits.float() / t, dim=-1)  # (B, V)
+    x = (processed if processed is not None else logits).float()
+    if temperature <= 0:
+        tok = x.argmax(-1)
+    else:
+        probs = F.softmax(x / temperature, dim=-1)
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, si, sp)
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class ScriptedProcessor:
+    """A logits processor that makes chosen rows write given token ids (then
+    sample freely): a policy with known tool use for tests and benchmarks, or a
+    forced prefix. `scripts` maps a row's index (its place in the returned
+    list) to the ids it must generate, in order, across all its turns."""
+
+    def __init__(self, scripts: dict[int, list[int]], bias: float = 1e4):
+        self.scripts, self.bias = scripts, bias
+
+    def __call__(self, rows, logits: torch.Tensor) -> torch.Tensor:
+        for i, r in enumerate(rows):
+            s = self.scripts.get(r.index)
+            if s is not None and r.n_gen < len(s):
+                logits[i, s[r.n_gen]] += self.bias
+        return logits
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """End-of-turn ids: eos, plus a chat template's end-of-turn token if distinct."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("<|eot|>", "<|eot_id|>", "<|im_end|>", "<|end|>"):
+        i = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0:
+            ids.add(i)
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------
+# Rows and the batched KV cache
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    index: int  # position of this rollout in the returned list
+    builder: sandbox.EpisodeBuilder
+    slots: list[int] = field(default_factory=list)  # cache slot of each context id, in order
+    n_gen: int = 0
+    contexts: list[list[int]] = field(default_factory=list)  # recorded contexts (tests)
+
+
+def _cache_layers(cache):
+    return cache.layers
+
+
+def _select_rows(cache, idx: torch.Tensor) -> None:
+    for layer in _cache_layers(cache):
+        layer.keys = layer.keys.index_select(0, idx)
+        layer.values = layer.values.index_select(0, idx)
+
+
+def _gather_slots(cache, gather: torch.Tensor) -> None:
+    """Keep, per row, the cache slots listed in gather (B, L') (exact: RoPE was
+    applied with logical positions, which do not depend on the slots)."""
+    for layer in _cache_layers(cache):
+        b, h, _, d = layer.keys.shape
+        g = gather[:, None, :, None].expand(b, h, gather.shape[1], d)
+        layer.keys = layer.keys.gather(2, g)
+        layer.values = layer.values.gather(2, g)
+
+
+class _Batch:
+    """Active rows, their shared cache, the (B, L) slot mask and slot ids."""
+
+    def __init__(self, model, pad_id: int, record: bool):
+        self.model = model
+        self.pad_id = pad_id
+        self.record = record
+        self.cache = None
+        self.mask = None  # (B, L) long
+        self.slot_ids = None  # (B, L) long: which id each slot holds (for recorded contexts)
+        self.rows: list[Row] = []
+        self.logits = None  # (B, V): next-token logits of every row
+        self.forward_tokens = 0  # slots computed, including padding (cost accounting)
+
+    def prefill(self, rows: list[Row], contexts: list[list[int]], expand: int = 1) -> None:
+        """A fresh cache from full contexts (left padded); each context's rows are
+        the next `expand` rows (a group sharing one prompt)."""
+        from transformers import DynamicCache
+
+        dev = next(self.model.parameters()).device
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+            mask[i, width - len(c):] = 1
+        self.cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids.to(dev), mask.to(dev))
+        if expand > 1:
+            self.cache.batch_repeat_interleave(expand)
+            ids, mask, logits = (t.repeat_interleave(expand, 0) for t in (ids, mask, logits))
+        self.mask, self.slot_ids, self.logits, self.rows = mask.to(dev), ids.to(dev), logits, rows
+        for r, m in zip(rows, self.mask):
+            r.slots = m.nonzero().squeeze(-1).tolist()
+
+    def _forward(self, ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
+        w = ids.shape[1]
+        pos = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, -w:]
+        out = self.model(input_ids=ids, attention_mask=full_mask, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True)
+        self.forward_tokens += ids.numel()
+        return out.logits[:, -1, :].float()
+
+    def extend(self, pending: list[list[int]]) -> None:
+        """Feed each row its pending ids (>= 1 each), left padded to a common width."""
+        dev = self.mask.device
+        w = max(len(p) for p in pending)
+        b, length = self.mask.shape
+        ids = torch.full((b, w), self.pad_id, dtype=torch.long)
+        m = torch.zeros((b, w), dtype=torch.long)
+        for i, (row, p) in enumerate(zip(self.rows, pending)):
+            ids[i, w - len(p):] = torch.tensor(p, dtype=torch.long)
+            m[i, w - len(p):] = 1
+            row.slots.extend(range(length + w - len(p), length + w))
+        ids, m = ids.to(dev), m.to(dev)
+        self.mask = torch.cat([self.mask, m], 1)
+        self.slot_ids = torch.cat([self.slot_ids, ids], 1)
+        self.logits = self._forward(ids, self.mask)
+
+    def retract(self, i: int, keep: int) -> None:
+        """Row i keeps the first `keep` ids of its context; later slots are masked."""
+        row = self.rows[i]
+        if keep < len(row.slots):
+            self.mask[i, row.slots[keep:]] = 0
+            del row.slots[keep:]
+
+    def keep_rows(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        _select_rows(self.cache, idx)
+        self.mask, self.slot_ids, self.logits = self.mask[idx], self.slot_ids[idx], self.logits[idx]
+        self.rows = [self.rows[i] for i in keep]
+
+    def maybe_compact(self, waste: float) -> None:
+        """Gather away masked slots once they are more than `waste` of the cache."""
+        b, length = self.mask.shape
+        counts = self.mask.sum(1)
+        if length == 0 or 1 - counts.sum().item() / (b * length) <= waste:
+            return
+        new_len = int(counts.max())
+        gather = torch.zeros((b, new_len), dtype=torch.long, device=self.mask.device)
+        new_mask = torch.zeros((b, new_len), dtype=torch.long, device=self.mask.device)
+        for i, row in enumerate(self.rows):
+            n = len(row.slots)
+            gather[i, new_len - n:] = torch.tensor(row.slots, dtype=torch.long)
+            new_mask[i, new_len - n:] = 1
+            row.slots = list(range(new_len - n, new_len))
+        _gather_slots(self.cache, gather)
+        self.slot_ids = self.slot_ids.gather(1, gather)
+        self.mask = new_mask
+
+    def context(self, i: int) -> list[int]:
+        """The ids row i actually conditions on: its unmasked slots."""
+        return self.slot_ids[i, self.rows[i].slots].tolist()
+
+
+# ---------------------------------------------------------------------------
+# The hf / hf_naive engine
+# ---------------------------------------------------------------------------
+
+
+def _as_index(d) -> sandbox.DocIndex:
+    if isinstance(d, sandbox.DocIndex):
+        return d
+    return sandbox.index_for(getattr(d, "text", d))
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: SamplingConfig | None = None,
+            limits: sandbox.Limits | None = None, logits_processor: Callable | None = None,
+            record_contexts: bool = False, generator: torch.Generator | None = None) -> list[sandbox.Episode]:
+    """`group_size` episodes per document, in document-major order.
+
+    `documents`: texts, `DocIndex`es or records with `.text` (and `.id`).
+    `logits_processor(rows, logits) -> logits` may change what is sampled (e.g.
+    ban tool tags for an ablation); recorded log-probs stay the policy's.
+    With `record_contexts`, each episode's `meta["engine_contexts"]` holds the
+    ids the engine really conditioned each turn on (read from its cache).
+    """
+    cfg = cfg or SamplingConfig()
+    if cfg.backend == "vllm":
+        return rollout_vllm(model, tokenizer, documents, group_size, cfg, limits)
+    if cfg.backend == "api":
+        return rollout_api(documents, group_size, cfg, limits)
+    if cfg.backend not in ("hf", "hf_naive"):
+        raise ValueError(f"unknown backend {cfg.backend!r} (hf, hf_naive, vllm, api)")
+    was_training = model.training
+    model.eval()
+    try:
+        generator = generator or torch.Generator().manual_seed(cfg.seed)
+        per_chunk = max(1, cfg.batch_size // group_size)
+        episodes: list[sandbox.Episode] = []
+        for s in range(0, len(documents), per_chunk):
+            episodes += _rollout_chunk(model, tokenizer, documents[s:s + per_chunk], group_size, cfg, limits,
+                                       logits_processor, record_contexts, generator, len(episodes))
+        return episodes
+    finally:
+        model.train(was_training)
+
+
+def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, logits_processor, record,
+                   generator, first_index) -> list[sandbox.Episode]:
+    codec = sandbox.Codec(tokenizer)
+    eos = stop_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    prompts, rows = [], []
+    for d in documents:
+        index = _as_index(d)
+        p = sandbox.prompt_ids(tokenizer, index.text)
+        prompts.append(p)
+        for _ in range(group_size):
+            b = sandbox.EpisodeBuilder(index, p, codec, limits, eos_ids=eos, doc_id=getattr(d, "id", None))
+            rows.append(Row(first_index + len(rows), b))
+    batch = _Batch(model, pad, record)
+    batch.prefill(rows, prompts, expand=group_size)
+    naive = cfg.backend == "hf_naive"
+    if record:
+        for i, r in enumerate(batch.rows):
+            r.contexts.append(batch.context(i))
+    while batch.rows:
+        logits = batch.logits
+        processed = logits_processor(batch.rows, logits.clone()) if logits_processor else None
+        toks, lps = sample(logits, cfg.temperature, cfg.top_p, generator, processed)
+        toks, lps = toks.tolist(), lps.tolist()
+        pending, alive, events = [], [], []
+        for i, (row, t, lp) in enumerate(zip(batch.rows, toks, lps)):
+            b = row.builder
+            row.n_gen += 1
+            stop = b.push(t, lp)
+            if stop:
+                act = b.end_turn()
+            elif row.n_gen >= cfg.max_new_tokens or len(row.slots) + 1 >= cfg.max_context_tokens:
+                act = b.end_turn("truncated")
+            else:
+                pending.append([t])
+                alive.append(i)
+                continue
+            if act.kind == "done":
+                continue
+            if act.kind == "prune" and act.keep <= len(row.slots):
+                batch.retract(i, act.keep)
+                feed = act.ids
+            else:  # the kept prefix includes the token just sampled (not yet in the cache)
+                feed = [t] + act.ids
+            if row.n_gen >= cfg.max_new_tokens or len(row.slots) + len(feed) >= cfg.max_context_tokens:
+                b.end_turn("truncated")  # no room left after the tool call
+                continue
+            pending.append(feed)
+            alive.append(i)
+            events.append(len(alive) - 1)
+        if not alive:
+            break
+        if len(alive) < len(batch.rows):
+            batch.keep_rows(alive)
+        if naive and events:
+            contexts = [r.builder.context_ids() for r in batch.rows]
+            batch.prefill(batch.rows, contexts)
+        else:
+            batch.extend(pending)
+            batch.maybe_compact(cfg.compact_waste)
+        if record:
+            for j in events:
+                batch.rows[j].contexts.append(batch.context(j))
+    out = []
+    for r in rows:
+        ep = r.builder.finish()
+        if record:
+            ep.meta["engine_contexts"] = r.contexts
+        out.append(ep)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Scoring: log-probs of generated tokens under their own contexts
+# ---------------------------------------------------------------------------
+
+
+def _branch_list(episodes, tokenizer):
+    out = []
+    for e, ep in enumerate(episodes):
+        for b in ep.branches(tokenizer):
+            out.append((e, b))
+    return out
+
+
+def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(ids[t] | ...) from logits at t-1. logits (B, T, V), ids (B, T) -> (B, T-1)."""
+    t = temperature if temperature > 0 else 1.0
+    logp = F.log_softmax(logits[:, :-1].float() / t, dim=-1)
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None, temperature: float = 1.0,
+                     method: Literal["tree", "branch"] = "tree", max_batch_tokens: int = 16384,
+                     ) -> list[list[torch.Tensor]]:
+    """Per episode, per turn: log-probs (tensor, differentiable when grad is on)
+    of the turn's generated ids under the context they were generated in.
+
+    `branch`: each branch is its own sequence (padded into batches).
+    `tree`: the branches of an episode share their common prefixes and are
+    scored in one sequence, with a 4D mask letting each token see only its own
+    branch's earlier tokens and position ids reproducing each branch's
+    positions. Needs an attention implementation that takes arbitrary masks
+    (sdpa, eager, flex), not flash attention.
+    """
+    dev = next(model.parameters()).device
+    out: list[list[torch.Tensor | None]] = [[None] * len(ep.turns) for ep in episodes]
+    items = _branch_list(episodes, tokenizer) if method == "branch" else _trees(episodes, tokenizer)
+    for chunk in _chunks(items, max_batch_tokens, method):
+        if method == "branch":
+            _score_branches(model, chunk, out, temperature, dev)
+        else:
+            _score_trees(model, chunk, out, temperature, dev)
+    return out
+
+
+def _chunks(items, max_tokens, method):
+    chunk, longest = [], 0
+    for it in items:
+        n = len(it[1].input_ids) if method == "branch" else len(it.ids)
+        if chunk and max(longest, n) * (len(chunk) + 1) > max_tokens:
+            yield chunk
+            chunk, longest = [], 0
+        chunk.append(it)
+        longest = max(longest, n)
+    if chunk:
+        yield chunk
+
+
+def _score_branches(model, chunk, out, temperature, dev):
+    width = max(len(b.input_ids) for _, b in chunk)
+    ids = torch.zeros((len(chunk), width), dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for i, (_, b) in enumerate(chunk):  # right padding: positions start at 0 for every row
+        ids[i, :len(b.input_ids)] = torch.tensor(b.input_ids)
+        mask[i, :len(b.input_ids)] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    lp = _gather_logprobs(logits, ids, temperature)  # (B, T-1)
+    for i, (e, b) in enumerate(chunk):
+        for ti, s, t_end in b.turns:
+            out[e][ti] = lp[i, s - 1:t_end - 1]
+
+
+@dataclass
+class _Tree:
+    """The branches of one or more episodes as a trie of token nodes."""
+    ids: list[int]
+    parent: list[int]
+    depth: list[int]
+    targets: list[tuple[int, int, list[int]]]  # (episode, turn, node index of each generated id)
+
+
+def _trees(episodes, tokenizer, group=False) -> list[_Tree]:
+    """One trie per episode (or one per group of episodes with `group`)."""
+    trees = []
+    cur = None
+    for e, ep in enumerate(episodes):
+        if cur is None or not group:
+            cur = _Tree([], [], [], [])
+            children: dict[tuple[int, int], int] = {}
+            trees.append(cur)
+        for b in ep.branches(tokenizer):
+            node = -1
+            nodes = []
+            for tok in b.input_ids:
+                key = (node, tok)
+                nxt = children.get(key)
+                if nxt is None:
+                    nxt = len(cur.ids)
+                    cur.ids.append(tok)
+                    cur.parent.append(node)
+                    cur.depth.append(0 if node < 0 else cur.depth[node] + 1)
+                    children[key] = nxt
+                node = nxt
+                nodes.append(node)
+            for ti, s, t_end in b.turns:
+                cur.targets.append((e, ti, nodes[s:t_end]))
+    return trees
+
+
+def group_trees(episodes, tokenizer=None) -> list[_Tree]:
+    """One trie for all episodes given (a GRPO group sharing its prompt)."""
+    return _trees(episodes, tokenizer, group=True)
+
+
+def _tree_mask(tree: _Tree, width: int) -> torch.Tensor:
+    """(width, width) bool: node i sees node j iff j is i or an ancestor of i."""
+    n = len(tree.ids)
+    m = torch.zeros((width, width), dtype=torch.bool)
+    for i in range(n):
+        p = tree.parent[i]
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    for i in range(n, width):  # padding sees itself only (no NaN rows)
+        m[i, i] = True
+    return m
+
+
+def _score_trees(model, chunk, out, temperature, dev):
+    width = max(len(t.ids) for t in chunk)
+    dtype = next(model.parameters()).dtype
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    ids = torch.zeros((len(chunk), width), dtype=torch.long)
+    pos = torch.zeros((len(chunk), width), dtype=torch.long)
+    masks = []
+    for i, t in enumerate(chunk):
+        ids[i, :len(t.ids)] = torch.tensor(t.ids)
+        pos[i, :len(t.ids)] = torch.tensor(t.depth)
+        masks.append(_tree_mask(t, width))
+    allowed = torch.stack(masks)[:, None].to(dev)  # (B, 1, T, T)
+    add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+    logits = model(input_ids=ids.to(dev), attention_mask=add, position_ids=pos.to(dev)).logits  # (B, T, V)
+    t_ = temperature if temperature > 0 else 1.0
+    logp = F.log_softmax(logits.float() / t_, dim=-1)
+    for i, t in enumerate(chunk):
+        parent = torch.tensor(t.parent, device=dev)
+        for e, ti, nodes in t.targets:
+            n = torch.tensor(nodes, device=dev)
+            tok = ids[i, nodes].to(dev)
+            out[e][ti] = logp[i, parent[n], tok]
+
+
+# ---------------------------------------------------------------------------
+# vLLM backend (GPU only)
+# ---------------------------------------------------------------------------
+
+
+def _drive_multiturn(builders, generate_round, max_new_tokens):
+    """The loop shared by request-based backends: each round, every unfinished
+    episode is sent its whole context and generates until a stop; its tokens
+    are pushed through the builder, which decides what follows.
+    `generate_round([(builder, budget)]) -> [(ids, logprobs or None, finish)]`,
+    finish "length" when the budget ran out, else "stop"."""
+    n_gen = [0] * len(builders)
+    active = list(range(len(builders)))
+    while active:
+        results = generate_round([(builders[i], max_new_tokens - n_gen[i]) for i in active])
+        nxt = []
+        for i, (ids, lps, finish) in zip(active, results):
+            b = builders[i]
+            stopped = False
+            for t, lp in zip(ids, lps or [None] * len(ids)):
+                n_gen[i] += 1
+                if b.push(t, lp):
+                    stopped = True
+                    break
+            if stopped or (finish == "stop" and n_gen[i] < max_new_tokens):
+                act = b.end_turn()
+            else:
+                act = b.end_turn("truncated")
+            if act.kind == "done":
+                continue
+            if n_gen[i] >= max_new_tokens:
+                b.end_turn("truncated")  # out of budget right after a tool call
+            else:
+                nxt.append(i)
+        active = nxt
+    return [b.finish() for b in builders]
+
+
+def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, limits=None, lora_request=None):
+    """vLLM 0.32 (`LLM.generate` on token ids). Stop strings end a round at a
+    tool call; vLLM returns every generated token id and the sampled token's
+    log-prob (`logprobs=0`); with `enable_prefix_caching=True` (the default in
+    V1) a resubmitted context is mostly a cache hit, and after a delete the
+    pruned context is resubmitted as is."""
+    try:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:  # pragma: no cover - GPU stack
+        raise ImportError("the vllm backend needs vLLM: pip install -r requirements-gpu.txt") from e
+    codec = sandbox.Codec(tokenizer)
+    eos = stop_ids(tokenizer)
+    builders = []
+    for d in documents:
+        index = _as_index(d)
+        p = sandbox.prompt_ids(tokenizer, index.text)
+        builders += [sandbox.EpisodeBuilder(index, p, codec, limits, eos_ids=eos, doc_id=getattr(d, "id", None))
+                     for _ in range(group_size)]
+    seed = [cfg.seed]
+
+    def generate_round(reqs):  # pragma: no cover - GPU stack
+        prompts, params = [], []
+        for b, budget in reqs:
+            prompts.append(TokensPrompt(prompt_token_ids=b.context_ids()))
+            seed[0] += 1
+            params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget,
+                                         stop=["</search>", "/>"], include_stop_str_in_output=True,
+                                         stop_token_ids=eos, logprobs=0, seed=seed[0]))
+        outs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
+            res.append((list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop"))
+        return res
+
+    return _drive_multiturn(builders, generate_round, cfg.max_new_tokens)
+
+
+# ---------------------------------------------------------------------------
+# api backend: an OpenAI-compatible server
+# ---------------------------------------------------------------------------
+
+
+class ApiError(RuntimeError):
+    pass
+
+
+class ApiClient:
+    """A small OpenAI-compatible client: retries with exponential backoff on
+    429/5xx/timeouts, a concurrency limit, token accounting. stdlib only."""
+
+    def __init__(self, base: str, model: str, key: str | None = None, timeout_s: float = 60.0, retries: int = 5,
+                 concurrency: int = 8, backoff_s: float = 0.5):
+        self.base, self.model, self.key = base.rstrip("/"), model, key
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._sem = threading.Semaphore(concurrency)
+        self._lock = threading.Lock()
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "requests": 0, "retries": 0}
+
+    def post(self, path: str, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                with self._lock:
+                    self.usage["retries"] += 1
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            req = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
+            try:
+                with self._sem, urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    out = json.loads(resp.read().decode())
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {e.read()[:200]!r}"
+                if e.code == 429 or e.code >= 500:
+                    continue
+                raise ApiError(f"{self.base + path}: {last}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            except json.JSONDecodeError as e:
+                raise ApiError(f"{self.base + path}: response is not JSON ({e})") from None
+            with self._lock:
+                self.usage["requests"] += 1
+                u = out.get("usage") or {}
+                self.usage["prompt_tokens"] += int(u.get("prompt_tokens", 0) or 0)
+                self.usage["completion_tokens"] += int(u.get("completion_tokens", 0) or 0)
+            return out
+        raise ApiError(f"{self.base + path}: gave up after {self.retries + 1} attempts ({last})")
+
+
+API_STOPS = ["</search>", "/>"]
+
+
+def _restore_stop(so_far: str, text: str) -> str:
+    """Servers drop the stop string from the text; put back the one that ended
+    the round (an open <search> or <delete ... tag), if any."""
+    full = so_far + text
+    if full.rfind("<search>") > full.rfind("</search>"):
+        return text + "</search>"
+    i = full.rfind("<delete")
+    if i >= 0 and i > full.rfind(">"):
+        return text + "/>"
+    return text
+
+
+def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client: ApiClient | None = None):
+    """Text-only episodes from an OpenAI-compatible server. `completions` mode
+    sends a plain-text prompt plus the text so far; `chat` mode sends the chat
+    messages with the text so far as a final assistant message to continue
+    (vLLM's `continue_final_message`). Each round stops at a tool call; the
+    sandbox answers and the next round continues."""
+    import os
+
+    client = client or ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.api_timeout_s,
+                                 cfg.api_retries, cfg.api_concurrency)
+    builders = []
+    for d in documents:
+        index = _as_index(d)
+        builders += [sandbox.EpisodeBuilder(index, None, None, limits, doc_id=getattr(d, "id", None))
+                     for _ in range(group_size)]
+
+    def one(req):
+        b, budget = req
+        so_far = "".join(chr(i) for i in b.context_ids())  # character codec: ids are code points
+        msgs = sandbox.prompt_messages(b.index.text)
+        body = {"model": cfg.api_model, "max_tokens": max(1, budget), "temperature": cfg.temperature,
+                "top_p": cfg.top_p, "stop": API_STOPS}
+        if cfg.api_mode == "chat":
+            body["messages"] = msgs + ([{"role": "assistant", "content": so_far}] if so_far else [])
+            if so_far:
+                body.update(continue_final_message=True, add_generation_prompt=False)
+            out = client.post("/chat/completions", body)
+            choice = out["choices"][0]
+            text = (choice.get("message") or {}).get("content") or ""
+        else:
+            body["prompt"] = f"{msgs[0]['content']}\n\n{msgs[1]['content']}\n\nSummary: {so_far}"
+            out = client.post("/completions", body)
+            choice = out["choices"][0]
+            text = choice.get("text") or ""
+        if choice.get("finish_reason") == "stop":
+            text = _restore_stop(so_far, text)
+        return [ord(c) for c in text], None, "length" if choice.get("finish_reason") == "length" else "stop"
+
+    def generate_round(reqs):
+        with ThreadPoolExecutor(max(1, cfg.api_concurrency)) as pool:
+            return list(pool.map(one, reqs))
+
+    eps = _drive_multiturn(builders, generate_round, cfg.max_new_tokens)
+    for ep in eps:  # character ids are not a tokenisation: keep the text record only
+        for t in ep.turns:
+            t.ids = t.logprobs = t.inj_ids = t.prune = None
+        ep.prompt_ids = None
+        ep.meta["api_usage"] = dict(client.usage)
+    return eps

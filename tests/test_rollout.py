@@ -1,0 +1,234 @@
+"""The rollout engine: exactness against the re-prefilling oracle, recorded
+contexts, sampler log-probs reproduced by scoring, and the api backend."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import rollout as R
+import sandbox as S
+from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
+
+TOK = bpe_tokenizer()
+DOCS = [DOC, DOC[:420], "Globex shares fell 3.5% on Monday. Acme rose. Jane K. Doe resigned on Jan. 5, 2024."]
+
+SCRIPTS = [
+    'Acme reported revenue of $5 billion.<search>/revenue of/</search><delete scope="sentence"/> Acme grew. '
+    'Jane Doe said, wrongly, Europe<search>Jane Doe</search> x<delete scope="clause"/> fine.',
+    'Short one.<delete scope="sentence"/> Better.',
+    None,  # free running: ragged lengths, truncation
+    'A, b, c<delete scope="clause"/> d.<search>/Globex/</search> End.',
+    '<search>/(a|a)+$/</search><search>acme</search>Acme grew 12%.<delete scope="sentence"/> Done.',
+    '<delete scope="sentence"/>Nothing to delete first.',
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(TOK, seed=0)
+
+
+def scripted(n_rows):
+    scripts = {i: script_ids(TOK, s) for i, s in enumerate(SCRIPTS * 3) if s and i < n_rows}
+    return R.ScriptedProcessor(scripts)
+
+
+def run(model, backend, docs=DOCS, group=2, **kw):
+    cfg = R.SamplingConfig(backend=backend, temperature=kw.pop("temperature", 0.0), max_new_tokens=kw.pop("max_new", 90),
+                           **kw)
+    return R.rollout(model, TOK, docs, group_size=group, cfg=cfg, logits_processor=scripted(len(docs) * group),
+                     record_contexts=True)
+
+
+def assert_same(a_eps, b_eps, tol=1e-4):
+    for a, b in zip(a_eps, b_eps, strict=True):
+        assert [t.ids for t in a.turns] == [t.ids for t in b.turns]
+        assert [t.text for t in a.turns] == [t.text for t in b.turns]
+        for ta, tb in zip(a.turns, b.turns):
+            assert torch.allclose(torch.tensor(ta.logprobs), torch.tensor(tb.logprobs), atol=tol)
+        assert a.summary == b.summary and a.flags == b.flags
+
+
+def test_hf_equals_naive_with_searches_and_deletes(model):
+    hf, naive = run(model, "hf"), run(model, "hf_naive")
+    assert_same(hf, naive)
+    assert sum(e.n_delete for e in hf) == 6 and sum(e.n_search for e in hf) == 5
+    assert any(e.flags.get("truncated") for e in hf)  # the free-running rows
+    assert hf[0].summary == "Acme grew. Jane Doe said, wrongly, fine."
+
+
+def test_engine_contexts_are_the_episode_contexts(model):
+    for backend in ("hf", "hf_naive"):
+        for ep in run(model, backend):
+            assert ep.meta["engine_contexts"] == ep.contexts()
+
+
+def test_compaction_every_step_stays_exact(model):
+    assert_same(run(model, "hf", compact_waste=0.0), run(model, "hf_naive"))
+
+
+def test_small_batches_and_many_documents(model):
+    docs = [DOC[i * 37:i * 37 + 250] for i in range(5)]
+    assert_same(run(model, "hf", docs=docs, group=3, batch_size=4), run(model, "hf_naive", docs=docs, group=3))
+
+
+def test_sampling_with_temperature_matches_naive(model):
+    a = run(model, "hf", temperature=1.0, top_p=0.9, seed=3)
+    b = run(model, "hf_naive", temperature=1.0, top_p=0.9, seed=3)
+    assert_same(a, b)
+
+
+@pytest.mark.parametrize("method", ["branch", "tree"])
+def test_episode_logprobs_reproduce_the_sampler(model, method):
+    eps = run(model, "hf")
+    with torch.no_grad():
+        lps = R.episode_logprobs(model, eps, method=method, max_batch_tokens=3000)
+    for e, ep in enumerate(eps):
+        for ti, t in enumerate(ep.turns):
+            assert lps[e][ti].shape == (len(t.ids),)
+            assert torch.allclose(lps[e][ti], torch.tensor(t.logprobs), atol=1e-4)
+
+
+def test_tree_scoring_sees_only_its_own_branch(model):
+    """Letting a branch see retracted tokens must change its log-probs: the
+    check has teeth."""
+    eps = [e for e in run(model, "hf") if e.n_deleted >= 1][:1]
+    tree = R._trees(eps, None)[0]
+    leaky = R._Tree(tree.ids, [i - 1 for i in range(len(tree.ids))], list(range(len(tree.ids))), tree.targets)
+    out_ok = [[None] * len(eps[0].turns)]
+    out_bad = [[None] * len(eps[0].turns)]
+    with torch.no_grad():
+        R._score_trees(model, [tree], out_ok, 1.0, "cpu")
+        R._score_trees(model, [leaky], out_bad, 1.0, "cpu")
+    last = len(eps[0].turns) - 1
+    assert not torch.allclose(out_ok[0][last], out_bad[0][last], atol=1e-3)
+
+
+def test_group_tree_shares_the_prompt(model):
+    eps = run(model, "hf", docs=[DOC], group=4)
+    trees = R.group_trees(eps)
+    assert len(trees) == 1
+    n_branch_tokens = sum(len(b.input_ids) for e in eps for b in e.branches())
+    assert len(trees[0].ids) < 0.6 * n_branch_tokens
+    out = [[None] * len(e.turns) for e in eps]
+    with torch.no_grad():
+        R._score_trees(model, trees, out, 1.0, "cpu")
+    for e, ep in enumerate(eps):
+        for ti, t in enumerate(ep.turns):
+            assert torch.allclose(out[e][ti], torch.tensor(t.logprobs), atol=1e-4)
+
+
+def test_logprobs_are_differentiable(model):
+    eps = run(model, "hf", docs=[DOC[:200]], group=1)
+    lps = R.episode_logprobs(model, eps)
+    loss = -sum(t.sum() for t in lps[0])
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    model.zero_grad()
+
+
+def test_rollouts_run_in_eval_mode_and_restore_training():
+    m = tiny_llama(TOK, seed=1, dropout=0.5)
+    m.train()
+    a = run(m, "hf", docs=[DOC[:200]], group=2)
+    b = run(m, "hf", docs=[DOC[:200]], group=2)
+    assert m.training
+    assert_same(a, b, tol=0)  # no dropout noise between two greedy rollouts
+
+
+def test_max_new_tokens_truncates(model):
+    eps = run(model, "hf", max_new=10)
+    assert all(sum(len(t.ids) for t in e.turns) <= 10 for e in eps)
+    assert all(e.flags.get("truncated") or e.turns[-1].ended in ("eos", "cap") for e in eps)
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]])
+    g = torch.Generator().manual_seed(0)
+    seen = {R.sample(logits, 1.0, 0.5, g)[0].item() for _ in range(50)}
+    assert seen == {0}
+    tok, lp = R.sample(logits, 0.0, 1.0, None)
+    assert tok.item() == 0 and abs(lp.item() - torch.log_softmax(logits, -1)[0, 0].item()) < 1e-6
+
+
+# ---------------------------------------------------------------------------
+# api backend against a local OpenAI-compatible server
+
+
+class _Server:
+    """Answers /v1/completions from a script; fails with 429 and 500 first."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.requests = []
+        self.failures = [429, 500]
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if outer.failures:
+                    self.send_response(outer.failures.pop(0))
+                    self.end_headers()
+                    self.wfile.write(b"try later")
+                    return
+                outer.requests.append(body)
+                text, reason = outer.replies.pop(0)
+                out = {"choices": [{"text": text, "finish_reason": reason}],
+                       "usage": {"prompt_tokens": 10, "completion_tokens": len(text.split())}}
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_api_backend_drives_the_sandbox():
+    srv = _Server([
+        ("Acme made $5 billion.<search>/revenue of/", "stop"),  # stop string stripped by the server
+        ('<delete scope="sentence"', "stop"),
+        (" Acme made $4.2 billion.", "stop"),
+    ])
+    cfg = R.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
+                           max_new_tokens=500)
+    client = R.ApiClient(srv.url, "teacher", retries=3, backoff_s=0.01, concurrency=1)
+    try:
+        [ep] = R.rollout_api([DOC], 1, cfg, client=client)
+    finally:
+        srv.httpd.shutdown()
+    assert [c.kind for c in ep.calls] == ["search", "delete"]
+    assert ep.summary == "Acme made $4.2 billion."
+    assert client.usage["retries"] == 2 and client.usage["requests"] == 3
+    assert srv.requests[0]["stop"] == R.API_STOPS
+    # the second request continues from the text so far, results included
+    assert srv.requests[1]["prompt"].endswith("</search>" + ep.turns[0].injected)
+    # the third sees the pruned context: the retracted sentence is gone
+    assert "$5 billion" not in srv.requests[2]["prompt"].split("Summary: ")[1]
+    assert not ep.has_ids and ep.tokenized(TOK).has_ids
+
+
+def test_api_client_gives_up_with_a_clear_error():
+    srv = _Server([])
+    srv.failures = [500] * 10
+    client = R.ApiClient(srv.url, "m", retries=2, backoff_s=0.01)
+    try:
+        with pytest.raises(R.ApiError, match="gave up after 3 attempts"):
+            client.post("/completions", {"prompt": "x"})
+    finally:
+        srv.httpd.shutdown()
+
+
+@pytest.mark.gpu
+def test_vllm_backend_matches_hf_greedy():  # pragma: no cover - needs CUDA and vLLM
+    pytest.importorskip("vllm")
+    pytest.skip("run with a saved tiny model on a GPU machine: see bench/rollout.py --vllm")
