@@ -200,20 +200,55 @@ class _Batch:
         return out.logits[:, -1, :].float()
 
     def extend(self, pending: list[list[int]]) -> None:
-        """Feed each row its pending ids (>= 1 each), left padded to a common width."""
+        """Feed each row its pending ids (>= 1 each).
+
+        Rows that decode one token and rows that take a block (results, a
+        pruned tail) are run as two sub-batches, so a results block costs its
+        own row only; the other rows get masked slots, which cost memory, not
+        compute, until compaction removes them."""
+        single = [i for i, p in enumerate(pending) if len(p) == 1]
+        multi = [i for i, p in enumerate(pending) if len(p) > 1]
+        logits = torch.empty_like(self.logits)
+        for group in (multi, single):
+            if group:
+                logits[group] = self._feed_rows(group, [pending[i] for i in group])
+        self.logits = logits
+
+    def _feed_rows(self, group: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Append `chunks` (left padded to a common width) to the rows in `group`,
+        computing only those rows; every other row gets masked slots."""
         dev = self.mask.device
-        w = max(len(p) for p in pending)
         b, length = self.mask.shape
+        w = max(len(c) for c in chunks)
         ids = torch.full((b, w), self.pad_id, dtype=torch.long)
         m = torch.zeros((b, w), dtype=torch.long)
-        for i, (row, p) in enumerate(zip(self.rows, pending)):
-            ids[i, w - len(p):] = torch.tensor(p, dtype=torch.long)
-            m[i, w - len(p):] = 1
-            row.slots.extend(range(length + w - len(p), length + w))
+        for i, c in zip(group, chunks):
+            ids[i, w - len(c):] = torch.tensor(c, dtype=torch.long)
+            m[i, w - len(c):] = 1
+            self.rows[i].slots.extend(range(length + w - len(c), length + w))
         ids, m = ids.to(dev), m.to(dev)
         self.mask = torch.cat([self.mask, m], 1)
         self.slot_ids = torch.cat([self.slot_ids, ids], 1)
-        self.logits = self._forward(ids, self.mask)
+        if len(group) == b:
+            return self._forward(ids, self.mask)
+        from transformers import DynamicCache
+
+        idx = torch.tensor(group, dtype=torch.long, device=dev)
+        full, sub = self.cache, DynamicCache(config=self.model.config)
+        self.cache = sub
+        for layer_idx, layer in enumerate(full.layers):  # the rows' own cache, as a batch of their own
+            sub.update(layer.keys.index_select(0, idx), layer.values.index_select(0, idx), layer_idx)
+        try:
+            logits = self._forward(ids[idx], self.mask[idx])
+        finally:
+            self.cache = full
+        for layer, new in zip(full.layers, sub.layers):
+            pad = layer.keys.new_zeros(layer.keys.shape[:2] + (w, layer.keys.shape[3]))
+            layer.keys = torch.cat([layer.keys, pad], 2)
+            layer.values = torch.cat([layer.values, pad.clone()], 2)
+            layer.keys[idx, :, length:] = new.keys[:, :, length:]
+            layer.values[idx, :, length:] = new.values[:, :, length:]
+        return logits
 
     def retract(self, i: int, keep: int) -> None:
         """Row i keeps the first `keep` ids of its context; later slots are masked."""
@@ -561,10 +596,18 @@ def _drive_multiturn(builders, generate_round, max_new_tokens):
 
 def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, limits=None, lora_request=None):
     """vLLM 0.32 (`LLM.generate` on token ids). Stop strings end a round at a
-    tool call; vLLM returns every generated token id and the sampled token's
-    log-prob (`logprobs=0`); with `enable_prefix_caching=True` (the default in
-    V1) a resubmitted context is mostly a cache hit, and after a delete the
-    pruned context is resubmitted as is."""
+    tool call (the builder re-checks: "/>" alone does not close a delete tag);
+    vLLM returns every generated token id and the sampled token's log-prob
+    (`logprobs=0`); with prefix caching (on by default in the V1 engine) a
+    resubmitted context is mostly a cache hit, and after a delete the pruned
+    context is resubmitted as is.
+
+    vLLM's log-probs are of the raw logits unless the engine is built with
+    `logprobs_mode="processed_logprobs"` (then temperature is applied, as the
+    trainer does; keep top_p = 1 for the two to agree exactly). The trainer
+    recomputes log-probs anyway and corrects for the sampler mismatch with
+    truncated importance sampling. `lora_request` (a `vllm.lora.request.LoRARequest`)
+    selects the current adapter; `llm` may be Unsloth's `model.vllm_engine`."""
     try:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
