@@ -1,0 +1,156 @@
+"""Tiny policies: the news-world tokenizer and the Llama presets.
+
+One tiny-1m model is built per module, through the `tiny-model` command line, and
+every model test loads it back through from_pretrained as a script would.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import common
+import sandbox
+from common import ConfigError, build_tiny_model, count_parameters
+
+ROOT = Path(common.__file__).resolve().parent
+DOC = (ROOT / "examples" / "doc.txt").read_text(encoding="utf-8").strip()
+TRACE = (ROOT / "examples" / "assistant.txt").read_text(encoding="utf-8").strip()
+MARKUP = (
+    'Acme reported revenue of $5 billion.<search>/revenue of \\$4\\.2 billion/</search>'
+    "<results><0>Acme Corp. reported revenue of $4.2 billion.</0><1>Shares fell 3.5%.</1></results>"
+    '<delete scope="sentence"/> Acme reported revenue of $4.2 billion.'
+    "<search>Jane Doe growth</search><results><error>bad pattern: ‹x›</error></results>"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("models") / "tiny-1m"
+    run = subprocess.run([sys.executable, str(ROOT / "common.py"), "tiny-model", "--preset", "tiny-1m",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("tiny-1m (seed 0): ") and str(out) in run.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def _ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(common.SPECIAL_TOKENS), 500, (batch, length), generator=g)
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+
+def test_saved_tokenizer_is_the_trained_one(tiny_dir, tok):
+    fresh = common.tiny_tokenizer()  # trained again in this process; the CLI trained it in another
+    assert tok.get_vocab() == fresh.get_vocab()
+    assert tok.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    assert tok.chat_template == fresh.chat_template == common.CHAT_TEMPLATE
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|eot|>")
+    assert tok.padding_side == "left"
+    assert 1000 <= len(tok) <= common.TOKENIZER_VOCAB
+    for text in (DOC, TRACE, MARKUP):
+        assert tok.encode(text, add_special_tokens=False) == fresh.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", [DOC, TRACE, MARKUP, "  two  spaces, a tab\tand\nnewlines\n\n",
+                                  "Café naïve — 5 € ‹quoted› 東京 🙂", ""])
+def test_decode_inverts_encode(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, clean_up_tokenization_spaces=False) == text
+    assert sandbox.Codec(tok).decode(ids) == text
+
+
+@pytest.mark.parametrize("text", [DOC, TRACE, MARKUP.replace("‹x›", "x")])
+def test_token_by_token_decoding_concatenates_to_the_text(tok, text):
+    codec = sandbox.Codec(tok)
+    ids = codec.encode(text)
+    assert "".join(codec.piece(i) for i in ids) == text
+    decoded, bounds = sandbox.token_bounds(codec, ids)
+    assert decoded == text and len(bounds) == len(ids) + 1  # every token boundary is clean
+
+
+def test_token_bounds_skip_splits_inside_a_character(tok):
+    codec = sandbox.Codec(tok)
+    text = "Results: ‹x› and 東京."
+    ids = codec.encode(text)
+    decoded, bounds = sandbox.token_bounds(codec, ids)
+    assert decoded == text and bounds[-1] == (len(ids), len(text))
+    assert all(text[:o] == codec.decode(ids[:t]) for t, o in bounds)
+
+
+def test_chat_template_and_prompt_ids(tok):
+    messages = sandbox.prompt_messages(DOC)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|bos|><|system|>" + sandbox.SYSTEM_PROMPT + "<|eot|><|user|>Summarise")
+    assert text.endswith(DOC + "<|eot|><|assistant|>")
+    ids = sandbox.prompt_ids(tok, DOC)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert ids.count(tok.eos_token_id) == 2 and tok.decode(ids) == text
+    done = tok.apply_chat_template(messages + [{"role": "assistant", "content": "A summary."}], tokenize=False)
+    assert done.endswith("<|assistant|>A summary.<|eot|>")
+    with pytest.raises(Exception, match="unknown chat role"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+@pytest.mark.parametrize("tag,max_tokens", [
+    ("<search>", 3), ("</search>", 3), ("<results>", 3), ("</results>", 3), ("<0>", 3), ("</2>", 3),
+    ("<error>", 3), ('<delete scope="sentence"/>', 6), ('<delete scope="clause"/>', 6),
+])
+def test_tool_tags_are_few_ordinary_tokens(tok, tag, max_tokens):
+    ids = tok.encode(tag, add_special_tokens=False)
+    assert len(ids) <= max_tokens, tok.convert_ids_to_tokens(ids)
+    assert not set(ids) & set(tok.all_special_ids)  # markup is text, as in real vocabularies
+
+
+# ---------------------------------------------------------------------------
+# Tiny models
+# ---------------------------------------------------------------------------
+
+
+def test_build_save_load_forward(tiny_dir, tok):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (128, 2, len(tok))
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (tok.pad_token_id, tok.bos_token_id,
+                                                                      tok.eos_token_id)
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings >= 2048
+    assert cfg._attn_implementation == "sdpa"
+    n = count_parameters(model)
+    assert 0.5e6 < n < 1.5e6
+
+    batch = tok([DOC, "Short one."], return_tensors="pt", padding=True)
+    assert (batch["input_ids"][1, 0] == tok.pad_token_id) and batch["attention_mask"][1, 0] == 0  # left padding
+    with torch.no_grad():
+        out = model(**batch)
+    assert out.logits.shape == (*batch["input_ids"].shape, len(tok))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_same_seed_same_weights_and_reuse(tiny_dir, tmp_path):
+    first = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    again = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny-1m", tmp_path / "a", seed=0)).state_dict()
+    other = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny-1m", tmp_path / "b", seed=1)).state_dict()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"], other["model.layers.0.mlp.up_proj.weight"])
+
+    weights = tmp_path / "a" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert build_tiny_model("tiny-1m", tmp_path / "a", seed=0) == tmp_path / "a"
+    assert weights.stat().st_mtime_ns == stamp  # same preset and seed: reused, not rebuilt
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        build_tiny_model("tiny-1m", tmp_path / "c")
+    with pytest.raises(ConfigError, match="tiny-8m"):
+        build_tiny_model("tiny-2m", tmp_path / "d")
