@@ -1,7 +1,8 @@
 """Shared plumbing for every script: atomic writes, strict configs, runs, logging, seeding, models.
 
 Sections: atomic writes; config loading; runs, step lines and metrics; seeding;
-devices; the tiny policies (news-world tokenizer, Llama presets); the command line:
+devices; the tiny policies (news-world tokenizer, Llama presets); policy loading
+(HF + PEFT, bitsandbytes, Unsloth/vLLM); the command line:
 
     python common.py tiny-model --preset tiny-1m --out DIR [--seed S]
 
@@ -749,6 +750,214 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path in TINY_PRESETS and not Path(name_or_path).exists():
         return str(build_tiny_model(name_or_path, TINY_MODELS_DIR / name_or_path))
     return name_or_path
+
+
+# ---------------------------------------------------------------------------
+# Policy loading: HF + PEFT (reference path), bitsandbytes, Unsloth (+ vLLM)
+# ---------------------------------------------------------------------------
+# The reference path (torch, transformers, peft) runs everywhere; bitsandbytes,
+# Unsloth and vLLM are imported only in the branch that asks for them
+# (DESIGN section 8), and a missing one raises an ImportError that says how to
+# install it. The reference policy of RL is the same model with its adapter
+# disabled (`reference_model`), so it costs no second copy of the weights.
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPU_INSTALL_HINT = "pip install -r requirements-gpu.txt"
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    enabled: bool = True     # False: full fine-tune (quant must be none; reference needs frozen_copy)
+    rank: int = 16
+    alpha: int = 32          # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    # module names; ["all-linear"] means every linear layer but the output head
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    # HF hub id, local directory, or a tiny preset name (built into out/models/ on first use)
+    name_or_path: str = "tiny-1m"
+    adapter_path: str | None = None      # a saved PEFT adapter to load on top (resume, eval)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    quant: Literal["none", "4bit", "8bit"] = "none"  # bitsandbytes; 4bit is NF4 with double quantisation
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    backend: Literal["hf", "unsloth"] = "hf"
+    fast_inference: bool = False         # Unsloth's colocated vLLM engine (backend=unsloth only)
+    max_seq_len: int = 2048              # prompt + completion; Unsloth/vLLM size their buffers by it
+    # the tree-mask scoring path (DESIGN section 4) needs sdpa or eager, not flash attention
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gpu_memory_utilization: float = 0.5  # share of the GPU vLLM reserves (fast_inference)
+
+    def __post_init__(self):
+        if self.fast_inference and self.backend != "unsloth":
+            raise ConfigError("model.fast_inference needs model.backend='unsloth' (vLLM runs inside Unsloth)")
+        if self.quant != "none" and not self.lora.enabled:
+            raise ConfigError(f"model.quant={self.quant!r} trains through LoRA only; "
+                              "set model.lora.enabled=true or model.quant=none")
+        if not 0.0 < self.gpu_memory_utilization < 1.0:
+            raise ConfigError(f"model.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.lora.enabled and self.lora.rank < 1:
+            raise ConfigError(f"model.lora.rank must be >= 1, got {self.lora.rank}")
+
+
+def resolve_dtype(name: str, device_name: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device_name.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(name_or_path: str):
+    """AutoTokenizer with left padding and a pad token (eos when the model has none,
+    as Llama 3 does; loss masks come from the episode, never from pad ids)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _require(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{why} needs the `{module}` package, which is not installed: {hint}")
+
+
+def _bnb_config(quant: str, compute_dtype):
+    _require("bitsandbytes", f"model.quant={quant!r}", "pip install bitsandbytes==0.50.2")
+    from transformers import BitsAndBytesConfig
+
+    if quant == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _peft_lora(cfg: LoraConfig):
+    import peft
+
+    targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = None):
+    """(model, tokenizer) for `cfg`: the model on `device_name` (default: `device()`).
+
+    train=True: quantised models go through peft's prepare_model_for_kbit_training,
+    gradient checkpointing is enabled if asked, LoRA is attached (or the saved
+    adapter loaded as trainable), and the model is in train mode. Without LoRA
+    every weight trains (full fine-tune). train=False: everything frozen, eval mode.
+    """
+    if cfg.backend == "unsloth":
+        return _load_unsloth(cfg, train)
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path)
+    dev = device_name or device()
+    dtype = resolve_dtype(cfg.dtype, dev)
+    tok = load_tokenizer(path)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+    if cfg.quant != "none":
+        kwargs["quantization_config"] = _bnb_config(cfg.quant, dtype)
+        kwargs["device_map"] = {"": dev}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if cfg.quant == "none":
+        model.to(dev)
+    checkpointing = {"use_reentrant": False}
+    if train and cfg.quant != "none":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=checkpointing)
+    elif train and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    if cfg.adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.adapter_path, is_trainable=train)
+    elif train and cfg.lora.enabled:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _peft_lora(cfg.lora))
+    if train:
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    return model, tok
+
+
+def _load_unsloth(cfg: ModelConfig, train: bool):
+    """Unsloth's FastLanguageModel (argument names as in Unsloth's GRPO notebooks);
+    with fast_inference its vLLM engine shares the weights (`model.fast_generate`)."""
+    _require("unsloth", "model.backend='unsloth'")
+    if cfg.fast_inference:
+        _require("vllm", "model.fast_inference=true")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("model.backend='unsloth' needs a CUDA GPU; use model.backend=hf on a CPU")
+    from unsloth import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(
+        model_name=cfg.adapter_path or resolve_model_path(cfg.name_or_path),  # an adapter dir names its base
+        max_seq_length=cfg.max_seq_len,
+        dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
+        load_in_4bit=cfg.quant == "4bit",
+        load_in_8bit=cfg.quant == "8bit",
+        full_finetuning=not cfg.lora.enabled,
+        fast_inference=cfg.fast_inference,
+        max_lora_rank=cfg.lora.rank,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+    )
+    if train and cfg.lora.enabled and cfg.adapter_path is None:
+        model = FastLanguageModel.get_peft_model(
+            model, r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=LORA_TARGETS if cfg.lora.target_modules == ["all-linear"] else list(cfg.lora.target_modules),
+            bias="none",
+            # "unsloth" offloads the checkpoints to CPU memory (the planner's backend=unsloth)
+            use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False,
+            random_state=torch.initial_seed() % 2**32)
+    if not train:
+        FastLanguageModel.for_inference(model)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+@contextmanager
+def reference_model(model):
+    """The reference policy: `model` with its LoRA adapter disabled, inside the block.
+
+        with torch.no_grad(), reference_model(policy) as ref:
+            ref_logits = ref(input_ids).logits
+
+    No second copy of the weights. A model without an adapter (full fine-tune)
+    has no such view: keep `frozen_copy(model)` from before training instead.
+    """
+    if not getattr(model, "peft_config", None) or not hasattr(model, "disable_adapter"):
+        raise ValueError("reference_model needs a PEFT (LoRA) model; a fully fine-tuned policy needs "
+                         "a frozen copy of its initial weights: ref = frozen_copy(model) before training")
+    with model.disable_adapter():
+        yield model
+
+
+def frozen_copy(model):
+    """A deep copy with every parameter frozen, in eval mode: the reference policy of a full fine-tune."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
 
 
 # ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Tiny policies: the news-world tokenizer and the Llama presets.
+"""Tiny policies and policy loading (LoRA, bitsandbytes, the reference view).
 
 One tiny-1m model is built per module, through the `tiny-model` command line, and
 every model test loads it back through from_pretrained as a script would.
 """
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import sandbox
-from common import ConfigError, build_tiny_model, count_parameters
+from common import (ConfigError, LoraConfig, ModelConfig, build_tiny_model, count_parameters,
+                    frozen_copy, load_config, load_policy, reference_model)
 
 ROOT = Path(common.__file__).resolve().parent
 DOC = (ROOT / "examples" / "doc.txt").read_text(encoding="utf-8").strip()
@@ -154,3 +156,121 @@ def test_same_seed_same_weights_and_reuse(tiny_dir, tmp_path):
         build_tiny_model("tiny-1m", tmp_path / "c")
     with pytest.raises(ConfigError, match="tiny-8m"):
         build_tiny_model("tiny-2m", tmp_path / "d")
+
+
+# ---------------------------------------------------------------------------
+# Policy loading
+# ---------------------------------------------------------------------------
+
+
+def _lora_cfg(tiny_dir, **kw) -> ModelConfig:
+    return ModelConfig(name_or_path=str(tiny_dir), lora=LoraConfig(rank=4, alpha=8), **kw)
+
+
+def _train_step(model, ids) -> None:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def test_lora_trains_only_the_adapter_and_reference_is_the_base(tiny_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model, tok = load_policy(_lora_cfg(tiny_dir), device_name="cpu")
+    assert tok.padding_side == "left" and tok.pad_token == "<|pad|>"
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    c = base.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = 4 * ((c.hidden_size + q) * 2 + (c.hidden_size + kv) * 2 + (c.hidden_size + c.intermediate_size) * 3)
+    assert count_parameters(model, trainable=True) == c.num_hidden_layers * per_layer  # rank 4 x (in + out)
+
+    ids = _ids()
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        assert torch.allclose(model(ids).logits, base_logits, atol=1e-6)  # LoRA starts as the identity
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train_step(model, ids)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)
+    assert all(not torch.equal(before[n], after[n]) for n in trainable if ".lora_B." in n)
+
+    with torch.no_grad():
+        adapted = model(ids).logits
+        with reference_model(model) as ref:
+            reference = ref(ids).logits
+        assert not torch.allclose(adapted, base_logits, atol=1e-4)
+        assert torch.allclose(reference, base_logits, atol=1e-6)
+        assert torch.equal(model(ids).logits, adapted)  # the adapter is back after the block
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, _ = load_policy(_lora_cfg(tiny_dir, gradient_checkpointing=checkpointing), device_name="cpu")
+        model.train()
+        ids = _ids()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+    assert any(g.abs().sum() > 0 for g in grads[1].values())
+
+
+def test_full_finetune_reference_needs_a_frozen_copy(tiny_dir):
+    model, _ = load_policy(ModelConfig(name_or_path=str(tiny_dir), lora=LoraConfig(enabled=False)),
+                           device_name="cpu")
+    assert count_parameters(model, trainable=True) == count_parameters(model)
+    with pytest.raises(ValueError, match="frozen_copy"):
+        with reference_model(model):
+            pass
+    ref = frozen_copy(model)
+    assert not any(p.requires_grad for p in ref.parameters())
+    ids = _ids()
+    with torch.no_grad():
+        start = ref(ids).logits
+    _train_step(model, ids)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, start)
+        assert not torch.allclose(model(ids).logits, start, atol=1e-4)
+
+
+def test_eval_load_is_frozen(tiny_dir):
+    model, _ = load_policy(_lora_cfg(tiny_dir), train=False, device_name="cpu")
+    assert not model.training and count_parameters(model, trainable=True) == 0
+
+
+@pytest.mark.parametrize("quant,linear", [("4bit", "Linear4bit"), ("8bit", "Linear8bitLt")])
+def test_quantised_load_on_cpu(tiny_dir, quant, linear):
+    pytest.importorskip("bitsandbytes")
+    full = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model, _ = load_policy(_lora_cfg(tiny_dir, quant=quant), device_name="cpu")
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q_proj.base_layer).__name__ == linear
+    assert count_parameters(model) == count_parameters(full) + count_parameters(model, trainable=True)
+    ids = _ids()
+    with torch.no_grad():
+        ref, got = full(ids).logits, model(ids).logits
+    assert torch.isfinite(got).all()
+    assert torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0) > 0.95
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in trainable}
+    _train_step(model, ids)
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if ".lora_B." in n)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("unsloth") is not None, reason="unsloth is installed")
+def test_unsloth_backend_says_how_to_install():
+    with pytest.raises(ImportError, match="requirements-gpu.txt"):
+        load_policy(ModelConfig(backend="unsloth", fast_inference=True, quant="4bit"))
+
+
+def test_model_config_from_the_command_line():
+    cfg = load_config(ModelConfig, ["quant=4bit", "lora.rank=8", "lora.target_modules=[q_proj, v_proj]"])
+    assert (cfg.quant, cfg.lora.rank, cfg.lora.target_modules) == ("4bit", 8, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="backend='unsloth'"):
+        load_config(ModelConfig, ["fast_inference=true"])
+    with pytest.raises(ConfigError, match="LoRA only"):
+        load_config(ModelConfig, ["quant=4bit", "lora.enabled=false"])
+    with pytest.raises(ConfigError, match="did you mean 'lora.rank'"):
+        load_config(ModelConfig, ["lora.rnak=8"])
