@@ -1,9 +1,11 @@
-"""Tiny policies and policy loading (LoRA, bitsandbytes, the reference view).
+"""Tiny policies, policy loading (LoRA, bitsandbytes, the reference view) and the memory planner.
 
 One tiny-1m model is built per module, through the `tiny-model` command line, and
 every model test loads it back through from_pretrained as a script would.
 """
+import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import sandbox
-from common import (ConfigError, LoraConfig, ModelConfig, build_tiny_model, count_parameters,
-                    frozen_copy, load_config, load_policy, reference_model)
+from common import (ConfigError, LoraConfig, ModelConfig, ModelShape, PlanConfig, build_tiny_model,
+                    count_parameters, frozen_copy, load_config, load_model_config, load_policy,
+                    plan_memory, reference_model)
 
 ROOT = Path(common.__file__).resolve().parent
 DOC = (ROOT / "examples" / "doc.txt").read_text(encoding="utf-8").strip()
@@ -130,6 +133,8 @@ def test_build_save_load_forward(tiny_dir, tok):
     assert cfg._attn_implementation == "sdpa"
     n = count_parameters(model)
     assert 0.5e6 < n < 1.5e6
+    # the planner's parameter arithmetic agrees with the real module
+    assert ModelShape.from_config(json.loads((tiny_dir / "config.json").read_text())).n_params == n
 
     batch = tok([DOC, "Short one."], return_tensors="pt", padding=True)
     assert (batch["input_ids"][1, 0] == tok.pad_token_id) and batch["attention_mask"][1, 0] == 0  # left padding
@@ -179,10 +184,8 @@ def test_lora_trains_only_the_adapter_and_reference_is_the_base(tiny_dir):
     assert tok.padding_side == "left" and tok.pad_token == "<|pad|>"
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    c = base.config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = 4 * ((c.hidden_size + q) * 2 + (c.hidden_size + kv) * 2 + (c.hidden_size + c.intermediate_size) * 3)
-    assert count_parameters(model, trainable=True) == c.num_hidden_layers * per_layer  # rank 4 x (in + out)
+    shape = ModelShape.from_config(base.config.to_dict())
+    assert count_parameters(model, trainable=True) == shape.lora_params(4, common.LORA_TARGETS)
 
     ids = _ids()
     with torch.no_grad():
@@ -274,3 +277,127 @@ def test_model_config_from_the_command_line():
         load_config(ModelConfig, ["quant=4bit", "lora.enabled=false"])
     with pytest.raises(ConfigError, match="did you mean 'lora.rank'"):
         load_config(ModelConfig, ["lora.rnak=8"])
+
+
+# ---------------------------------------------------------------------------
+# Memory planner
+# ---------------------------------------------------------------------------
+
+GRPO = PlanConfig(quant="4bit", lora_rank=16, batch=1, group_size=8, prompt_len=1024, completion_len=256,
+                  gradient_checkpointing=True, gpu_memory_utilization=0.5)
+
+
+@pytest.mark.parametrize("name,billions", [
+    ("Llama-3.2-1B", 1.24), ("Llama-3.2-3B", 3.21), ("Llama-3.1-8B", 8.03), ("Qwen3-4B", 4.02), ("Qwen3-8B", 8.19),
+])
+def test_shipped_model_configs(name, billions):
+    shape = load_model_config(name)
+    assert shape.n_params / 1e9 == pytest.approx(billions, abs=0.01)  # the sizes the model cards state
+    assert load_model_config(name.lower()) == shape
+    assert "_source" in json.loads((common.MODEL_CONFIGS_DIR / f"{name}.json").read_text())
+    plan = plan_memory(dataclasses.replace(GRPO, model=name))
+    assert set(plan.stages) == {"sft", "rollout", "update"}
+    assert all(v >= 0 for parts in plan.stages.values() for v in parts.values())
+
+
+def test_unknown_model_config_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="Qwen3-8B"):
+        load_model_config("Llama-9-1B")
+
+
+@pytest.mark.parametrize("stage", ["sft", "rollout", "update"])
+def test_planner_is_monotonic(stage):
+    hf = dataclasses.replace(GRPO, gpu_memory_utilization=0.0)  # no reservation: totals are plain sums
+
+    def total(**change) -> float:
+        return plan_memory(dataclasses.replace(hf, **change)).total_gb(stage)
+
+    base = total()
+    assert total(batch=2) > base and total(completion_len=512) > base
+    assert total(quant="none") > base and total(quant="8bit") > base  # 4-bit < 8-bit < bf16
+    assert total(lora_rank=64) > base and total(optimizer="adamw_8bit") < base
+    assert total(quant="none", lora_rank=0) > total(quant="none")  # full fine-tune > LoRA
+
+    def smallest_gpu(**change) -> float:  # beside vLLM: the smallest card that holds both
+        return plan_memory(dataclasses.replace(GRPO, **change)).min_gpu_gb[stage]
+
+    assert smallest_gpu(batch=2) >= smallest_gpu() and smallest_gpu(quant="none") >= smallest_gpu()
+    if stage != "sft":
+        assert smallest_gpu(group_size=16) > smallest_gpu()
+
+
+def test_planner_components():
+    plan = plan_memory(GRPO)
+    no_ckpt = plan_memory(dataclasses.replace(GRPO, gradient_checkpointing=False))
+    assert no_ckpt.stages["update"]["activations"] > 5 * plan.stages["update"]["activations"]
+    bf16 = plan_memory(dataclasses.replace(GRPO, quant="none"))
+    assert plan.stages["sft"]["weights"] < 0.6 * bf16.stages["sft"]["weights"]
+    assert plan.stages["update"]["logits"] > plan_memory(dataclasses.replace(GRPO, chunked_logits=True)).stages[
+        "update"]["logits"]
+    tree = plan_memory(dataclasses.replace(GRPO, share_prompt=True))
+    assert tree.stages["update"]["activations"] < 0.5 * plan.stages["update"]["activations"]
+    assert tree.vllm["kv_cache"] < 0.5 * plan.vllm["kv_cache"]
+    assert plan.vllm["kv_cache"] > plan_memory(dataclasses.replace(GRPO, group_size=4)).vllm["kv_cache"]
+    # beside vLLM the trainer gets (1 - u) of the card; without vLLM there is no reservation
+    assert plan.total_gb("update", 80) == pytest.approx(sum(plan.stages["update"].values()) + 40)
+    hf = plan_memory(dataclasses.replace(GRPO, gpu_memory_utilization=0.0))
+    assert not hf.vllm and hf.total_gb("rollout") == pytest.approx(sum(hf.stages["rollout"].values()))
+    assert hf.stages["rollout"]["kv_cache"] == pytest.approx(plan.vllm["kv_cache"])
+    for name in plan.stages:
+        assert plan.fits[name] == {g: plan.min_gpu_gb[name] <= g for g in common.GPU_SIZES_GB}
+    with pytest.raises(ConfigError):
+        PlanConfig(quant="4bit", lora_rank=0)
+
+
+# Unsloth's long-context GRPO post (unsloth.ai/blog/grpo, 20 Feb 2025), "GRPO VRAM
+# breakdown" for Llama 3.1 8B, 8 generations of 20K tokens: TRL + FA2 needs 78.3 GB
+# for the GRPO loss (the fp32 logits), Unsloth 9.8 GB (one generation at a time);
+# inference (vLLM's own weights) 16 GB for TRL and 0 GB for Unsloth (shared); the
+# KV cache for 20K context 2.5 GB. Tolerance: 2% on the KV cache and logits (the
+# same arithmetic, so only rounding), 10% on the weights (the post's 16 GB is
+# 8.03B x 2 bytes in decimal GB; the planner counts GiB).
+BLOG = PlanConfig(model="Llama-3.1-8B", quant="4bit", lora_rank=16, batch=1, group_size=8, prompt_len=0,
+                  completion_len=20 * 1024, gpu_memory_utilization=0.5)
+
+
+def test_planner_matches_unsloth_grpo_post():
+    trl = plan_memory(dataclasses.replace(BLOG, backend="hf"))
+    unsloth = plan_memory(dataclasses.replace(BLOG, backend="unsloth"))
+    # The post counts one fp32 copy (4 of the planner's 10 bytes per logit: bf16 head output, fp32 copy,
+    # fp32 log-softmax kept for backward).
+    assert trl.stages["update"]["logits"] * 4 / common._LOGIT_BYTES == pytest.approx(78.3, rel=0.02)
+    assert unsloth.stages["update"]["logits"] == pytest.approx(9.8, rel=0.02)
+    assert trl.vllm["weights"] == pytest.approx(16, rel=0.10)
+    assert unsloth.stages["update"]["weights"] == 0  # the engine's copy is the trainer's
+    one_sequence = plan_memory(dataclasses.replace(BLOG, group_size=1, gpu_memory_utilization=0.0))
+    assert one_sequence.stages["rollout"]["kv_cache"] == pytest.approx(2.5, rel=0.02)
+
+
+# LLaMA-Factory's measured peak memory (github.com/hiyouga/LLaMA-Factory wiki,
+# "Performance comparison", April 2024): LLaMA2-7B, 4-bit QLoRA, LoRA rank 8 on all
+# modules, batch size 1, one A100 40GB, GB by sequence length, for HF + FlashAttention-2
+# and for Unsloth + FA2 (gradient checkpointing on, LLaMA-Factory's default).
+# Tolerance: 20% of the measured figure at every length.
+LLAMA2_7B = ModelShape.from_config(dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                        num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                                        tie_word_embeddings=False), "Llama-2-7B")
+MEASURED = {
+    "hf": {1024: 6, 2048: 7, 4096: 9, 8192: 12, 16384: 19, 32768: 32},
+    "unsloth": {1024: 5, 2048: 6, 4096: 7, 8192: 8, 16384: 10, 32768: 16, 65536: 25, 100000: 37},
+}
+
+
+@pytest.mark.parametrize("backend,seq_len,measured_gb",
+                         [(b, n, gb) for b, table in MEASURED.items() for n, gb in table.items()])
+def test_planner_matches_llama_factory_measurements(backend, seq_len, measured_gb):
+    cfg = PlanConfig(model="Llama-2-7B", quant="4bit", lora_rank=8, batch=1, prompt_len=seq_len - 1,
+                     completion_len=1, gradient_checkpointing=True, backend=backend, gpu_memory_utilization=0.0)
+    assert plan_memory(cfg, LLAMA2_7B).total_gb("sft") == pytest.approx(measured_gb, rel=0.20)
+
+
+def test_plan_command_prints_every_shipped_model(capsys):
+    common.main(["plan", "model=all", "backend=unsloth"])
+    out = capsys.readouterr().out
+    for name in ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B", "Qwen3-4B", "Qwen3-8B"):
+        assert name in out
+    assert out.count("\nupdate ") == 5
