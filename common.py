@@ -1248,6 +1248,9 @@ def format_plan(plan: MemoryPlan) -> str:
         beside = f"{c.gpu_memory_utilization:>5g}xC" if plan.beside_vllm(name) else f"{'':>7}"
         marks = "".join(f"{'yes' if plan.fits[name][g] else 'no':>5}" for g in GPU_SIZES_GB)
         lines.append(f"{name:<8}{cells}{sum(parts.values()):>8.2f}{beside}{plan.min_gpu_gb[name]:>9.1f}{marks}")
+    if plan.vllm:
+        lines.append("vLLM holds " + ", ".join(f"{k} {v:.2f}" for k, v in plan.vllm.items())
+                     + f" GiB within its {c.gpu_memory_utilization:g} x C")
     return "\n".join(lines)
 
 
