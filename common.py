@@ -1282,9 +1282,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.preset} (seed {args.seed}): {info['n_params']:,} parameters, "
               f"vocabulary {info['vocab_size']} -> {path}")
     elif command == "plan":
-        cfg = load_config(PlanConfig, rest)
-        names = sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.json")) if cfg.model == "all" else [cfg.model]
-        print("\n\n".join(format_plan(plan_memory(dataclasses.replace(cfg, model=n))) for n in names))
+        try:
+            cfg = load_config(PlanConfig, rest)
+            names = sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.json")) if cfg.model == "all" else [cfg.model]
+            print("\n\n".join(format_plan(plan_memory(dataclasses.replace(cfg, model=n))) for n in names))
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
     else:
         print(_USAGE, file=sys.stderr)
         raise SystemExit(0 if command in ("-h", "--help") else 2)
