@@ -1675,7 +1675,7 @@ _SCORE_RE = re.compile(r"\b\d{1,3}-\d{1,3}\b")
 _COUNT_RE = re.compile(rf"\b({_NUM})(?:\s(million|billion)\b)?(?:\s((?:new\s)?[a-z]+))?")
 # Nouns a count may carry; a count's unit is its noun ("3,400 jobs"), else "number".
 COUNT_NOUNS = frozenset("jobs employees votes homes people residents participants months hours orders engineers "
-                        "customers patents goals points wins mph spectators fans workers staff".split())
+                        "customers patents goals points wins mph spectators fans workers staff dollars".split())
 _UNIT_GROUPS = ({"people", "residents"}, {"spectators", "fans", "people"}, {"employees", "staff", "workers"})
 
 
@@ -1744,8 +1744,8 @@ def parse_quantities(text: str, taken: list[tuple[int, int]] | None = None) -> l
         end = m.end() if with_noun else num_end
         span = text[m.start():end]
         taken.append((m.start(), end))
-        out.append(Mention("qty", span, m.start(), end,
-                           qty=Qty(span, amount, noun.split()[-1] if with_noun else "number")))
+        unit = noun.split()[-1] if with_noun else "number"
+        out.append(Mention("qty", span, m.start(), end, qty=Qty(span, amount, "usd" if unit == "dollars" else unit)))
     return sorted(out, key=lambda x: x.start)
 
 
@@ -2320,8 +2320,11 @@ def _other_when(w: When, rng: random.Random) -> When:
 
 
 def _mutate(view: DocView, facts: dict[str, _F], unit: Unit, slots: list[Slot], rng: random.Random,
-            types: Sequence[str], verbs: dict[str, str]) -> tuple[Slot, str, str, bool] | None:
-    """Pick an error for one rendered unit: (slot, wrong text, type, intrinsic), or None if none applies."""
+            types: Sequence[str], verbs: dict[str, str], dry: bool = False) -> tuple[Slot, str, str, bool] | None:
+    """Pick an error for one rendered unit: (slot, wrong text, type, intrinsic), or None if none applies.
+
+    `dry=True` only asks whether one of `types` applies (True / None).
+    """
     unit_ents = {e for r in unit.roles for e in (view.sig(r).ents)}
     by_type = {
         "entity_swap": [s for s in slots if s.attr in _ENTITY_ATTRS],
@@ -2331,6 +2334,8 @@ def _mutate(view: DocView, facts: dict[str, _F], unit: Unit, slots: list[Slot], 
         "wrong_predicate": [s for s in slots if s.attr == "verb" and facts[s.role].pred in CONFLICT],
     }
     options = [t for t in types if by_type.get(t)]
+    if dry:
+        return True if options else None
     rng.shuffle(options)
     for etype in options:
         slot = rng.choice(by_type[etype])
@@ -2381,35 +2386,50 @@ def draft(doc: Document, rng: random.Random, n_errors: int | None = None, clean_
 
 def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = None, clean_rate: float = 0.2,
                    max_errors: int = 3, types: Sequence[str] = ERROR_TYPES) -> tuple[str, list[dict], list[int]]:
-    """`draft`, plus the supporting article sentence of each label (what its regex key must find)."""
+    """`draft`, plus the supporting article sentence of each label (what its regex key must find).
+
+    The error type is drawn first (uniformly among the types some unbroken
+    sentence can carry), then the sentence: every sentence names an entity, so
+    drawing the sentence first would make most errors entity swaps.
+    """
     view = DocView(doc)
     facts = {role: f for role, (_, f) in view.facts.items()}
     by_name = {u.name: u for u in view.family.units}
     units = [by_name[name] for name in doc.meta["units"]]
     verbs = _choose_verbs(facts, rng)
     templates = [rng.choice(u.templates) for u in units]
+    rendered = [render(t, facts, verbs) for t in templates]
     if n_errors is None:
         n_errors = 0 if rng.random() < clean_rate else rng.randint(1, max(1, min(max_errors, len(units))))
-    broken = set(rng.sample(range(len(units)), min(n_errors, len(units))))
-    sentences, labels, targets = [], [], []
-    for i, (unit, template) in enumerate(zip(units, templates)):
-        good, slots, _ = render(template, facts, verbs)
-        m = _mutate(view, facts, unit, slots, rng, types, verbs) if i in broken else None
-        if m is None:
-            sentences.append(good)
+    feasible = {(t, i) for i, (_, slots, _) in enumerate(rendered) for t in types
+                if _mutate(view, facts, units[i], slots, rng, [t], verbs, dry=True)}
+    sentences = [text for text, _, _ in rendered]
+    labels, targets, broken = [], [], set()
+    while len(labels) < n_errors:
+        options = sorted({t for t, i in feasible if i not in broken}, key=types.index)
+        if not options:
+            break
+        etype = rng.choice(options)
+        i = rng.choice(sorted(i for t, i in feasible if t == etype and i not in broken))
+        good, slots, _ = rendered[i]
+        m = _mutate(view, facts, units[i], slots, rng, [etype], verbs)
+        if m is None:  # no entity of that type to swap in after all
+            feasible.discard((etype, i))
             continue
         slot, wrong, etype, intrinsic = m
-        bad, bad_slots, _ = render(template, facts, verbs, override={(slot.role, slot.attr): wrong})
+        bad, bad_slots, _ = render(templates[i], facts, verbs, override={(slot.role, slot.attr): wrong})
         at = next(s for s in bad_slots if (s.role, s.attr) == (slot.role, slot.attr))
         span = bad[at.start:at.end]
         target = view.sig(slot.role).d["sentence"]
-        sentences.append(bad)
+        sentences[i] = bad
+        broken.add(i)
         labels.append({"error_span": span, "corrected_clause": good,
                        "regex_key": regex_key_for(view.sentences, target, bad, span, view.entities,
                                                   hide=good[slot.start:slot.end]),
                        "type": etype, "intrinsic": intrinsic, "sentence_index": i})
         targets.append(target)
-    return " ".join(sentences), labels, targets
+    order = sorted(range(len(labels)), key=lambda k: labels[k]["sentence_index"])
+    return " ".join(sentences), [labels[k] for k in order], [targets[k] for k in order]
 
 
 # ===========================================================================
