@@ -558,6 +558,127 @@ def seed_everything(seed: int) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Checkpoints (DESIGN 7)
+# ---------------------------------------------------------------------------
+# A checkpoint is a directory `RUN/checkpoints/step_00000042/` written through
+# atomic_dir, so it exists whole or not at all (a SIGKILL mid-save leaves only a
+# dot-named temp directory, never picked up). It holds:
+#   model/                  save_pretrained output (a PEFT adapter, or the full
+#                           model when training from scratch): what eval loads
+#   trainable.safetensors   every parameter with requires_grad, by name: what
+#                           resume loads (uniform for adapters and full models)
+#   trainer.pt              optimizer, scheduler, RNG states, and the script's
+#                           own state (data cursor, curriculum, step)
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def rng_state(generators: dict | None = None) -> dict:
+    """Every RNG a run draws from: python, numpy, torch (CPU, CUDA), and named
+    torch.Generator objects of the script (e.g. the rollout sampler)."""
+    import torch
+
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+          "generators": {k: g.get_state() for k, g in (generators or {}).items()}}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict, generators: dict | None = None) -> None:
+    import torch
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    for k, g in (generators or {}).items():
+        g.set_state(st["generators"][k])
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
+                    state: dict | None = None, generators: dict | None = None, keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
+    import torch
+    from safetensors.torch import save_file
+
+    final = Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp / "model")
+        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None,
+                    "scheduler": scheduler.state_dict() if scheduler else None,
+                    "rng": rng_state(generators), "state": state or {}}, tmp / "trainer.pt")
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temp directories are skipped)."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+             and (p / "trainer.pt").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
+    """`resume`: "auto" (the newest complete checkpoint of this run, if any),
+    "none", or a checkpoint path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "trainer.pt").exists():
+        raise FileNotFoundError(f"resume={resume}: not a complete checkpoint (no trainer.pt in it)")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=None,
+                    generators: dict | None = None) -> dict:
+    """Restore a checkpoint into live objects; returns {"step", "state"}."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    saved = load_file(str(path / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
+    unknown = [n for n in saved if n not in params]
+    if missing or unknown:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unknown[:3]})")
+    with torch.no_grad():
+        for n, t in saved.items():
+            params[n].copy_(t.to(params[n].device, params[n].dtype))
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    if optimizer is not None and trainer["optimizer"] is not None:
+        optimizer.load_state_dict(trainer["optimizer"])
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    set_rng_state(trainer["rng"], generators)
+    return {"step": trainer["step"], "state": trainer["state"]}
+
+
+def cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+    """Linear warm-up then cosine decay to `min_ratio` of the peak rate."""
+    import torch
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------
 # Devices and parameter counts
 # ---------------------------------------------------------------------------
 
