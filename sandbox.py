@@ -856,6 +856,42 @@ class Episode:
         return cls.from_dict(json.loads(s) if isinstance(s, str) else s)
 
 
+class MaskError(ValueError):
+    """Loss-mask positions that are not exactly the assistant's generated text."""
+
+
+def check_branches(ep: Episode, branches: list[Branch], tokenizer, eos_ids: Iterable[int] = ()) -> None:
+    """Mask validation (the SN15 bug catalog: loss masks drifting past assistant
+    boundaries). Every run of loss-mask-1 positions must be exactly one turn's
+    generated ids and decode to that turn's text: a shift by one position pulls
+    in a prompt, results or re-encoded id and changes the text. Raises
+    `MaskError` naming the episode, branch and turn."""
+    codec = as_codec(tokenizer)
+    eos = set(eos_ids) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+    name = ep.doc_id or "episode"
+    for bi, b in enumerate(branches):
+        runs, start = [], None
+        for pos, m in enumerate(b.loss_mask + [0]):
+            if m and start is None:
+                start = pos
+            elif not m and start is not None:
+                runs.append((start, pos))
+                start = None
+        spans = [(s, e) for _, s, e in b.turns if e > s]
+        if runs != spans:
+            raise MaskError(f"{name} branch {bi}: trained positions {runs[:4]} are not the turns' generated "
+                            f"ids {spans[:4]}")
+        for ti, s, e in b.turns:
+            ids = [i for i in b.input_ids[s:e] if i not in eos]
+            text = codec.decode(ids)
+            turn = ep.turns[ti]
+            if text != turn.text:
+                raise MaskError(f"{name} branch {bi} turn {ti}: trained ids decode to {text[:80]!r}, "
+                                f"the turn wrote {turn.text[:80]!r}")
+            if any(i in eos for i in b.input_ids[s:e - 1]):
+                raise MaskError(f"{name} branch {bi} turn {ti}: end-of-turn inside the trained ids")
+
+
 def prompt_messages(document: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"Summarise this article.\n\n{document}"}]

@@ -3,6 +3,7 @@ property tests over random and adversarial assistant outputs."""
 import math
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -251,3 +252,18 @@ def test_token_level_invariants_on_random_outputs(text, which, whole):
     assert sum(sum(b.loss_mask) for b in branches) == sum(len(t.ids) for t in ep.turns)
     assert sorted(ti for b in branches for ti, _, _ in b.turns) == list(range(len(ep.turns)))
     assert S.Episode.from_json(ep.to_json()).contexts() == ep.contexts()
+
+
+def test_mask_validation_accepts_real_branches_and_catches_an_off_by_one():
+    tok = bpe_tokenizer()
+    ep = S.replay(DOC, WRITTEN).tokenized(tok)
+    branches = ep.branches()
+    S.check_branches(ep, branches, tok)
+    shifted = [S.Branch(b.input_ids, [0] + b.loss_mask[:-1], b.logprobs, b.turns) for b in branches]
+    with pytest.raises(S.MaskError, match="trained positions"):
+        S.check_branches(ep, shifted, tok)
+    # shift the recorded spans as well: the decoded text no longer matches the turn
+    both = [S.Branch(b.input_ids + [0], [0] + b.loss_mask, b.logprobs, [(t, s + 1, e + 1) for t, s, e in b.turns])
+            for b in branches]
+    with pytest.raises(S.MaskError, match="decode to"):
+        S.check_branches(ep, both, tok)
