@@ -255,9 +255,9 @@ def load_jsonl(path: str, mapping: str | dict | None = None, limit: int | None =
     report = report if report is not None else LoadReport()
     report.source = path
     stem = os.path.splitext(os.path.basename(path))[0]
+    if limit is not None and limit <= 0:
+        return
     for lineno, rec in _jsonl_records(path, report, skip_bad):
-        if limit is not None and report.n_docs >= limit:
-            return
         try:
             if mapping is None:
                 doc = Document.from_json(rec)
@@ -272,6 +272,8 @@ def load_jsonl(path: str, mapping: str | dict | None = None, limit: int | None =
             continue
         report.n_docs += 1
         yield doc
+        if limit is not None and report.n_docs >= limit:
+            return  # before reading on: a bad line past the limit is none of our business
 
 
 def read_documents(path: str, limit: int | None = None) -> list[Document]:
@@ -315,9 +317,9 @@ def load_hf(name: str, config: str | None = None, split: str = "train", mapping:
             f"loaded with --jsonl and --map") from e
     report = report if report is not None else LoadReport()
     report.source = f"hf:{name}"
+    if limit is not None and limit <= 0:
+        return
     for i, rec in enumerate(ds):
-        if limit is not None and report.n_docs >= limit:
-            return
         report.n_lines += 1
         try:
             doc = record_to_document(dict(rec), mapping, f"{name.split('/')[-1]}-{split}-{i}", name)
@@ -329,6 +331,8 @@ def load_hf(name: str, config: str | None = None, split: str = "train", mapping:
             continue
         report.n_docs += 1
         yield doc
+        if limit is not None and report.n_docs >= limit:
+            return  # a streamed dataset is not read past the limit
 
 
 # ===========================================================================

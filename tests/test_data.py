@@ -104,6 +104,10 @@ def test_field_mapping_loader(tmp_path):
     path = write_lines(tmp_path / "cnn.jsonl", [json.dumps(r) for r in recs])
     docs = list(data.load_jsonl(path, mapping="id=uid, text=body.article, summary=highlights", limit=2))
     assert [d.id for d in docs] == ["n1", "cnn-2"]  # a missing id falls back to file stem and line
+    with open(path, "a") as f:
+        f.write("not json\n")  # past the limit: never read
+    assert len(list(data.load_jsonl(path, mapping="text=body.article", limit=3))) == 3
+    assert list(data.load_jsonl(path, mapping="text=body.article", limit=0)) == []
     assert docs[0].text == "First article. It has two sentences." and docs[0].summary == "One.\nTwo."
     assert docs[0].source == "cnn.jsonl"
     with pytest.raises(DataError, match="no field 'text'"):
