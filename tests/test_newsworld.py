@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import data
 import sandbox
@@ -242,3 +243,23 @@ def test_cli_stats_reports_counts_lengths_and_agreement(tmp_path):
     agreement = stats["agreement"]
     assert agreement["oracle_recall_type"] == 1.0 and agreement["oracle_false_alarm_rate"] == 0.0
     assert agreement["references_flagged"] == 0 and agreement["regex_key_first_hit_support"] == 1.0
+
+
+# --- properties ----------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200))
+def test_oracle_is_total_on_any_text(text):
+    score = data.oracle_fact_score(WORLD[1], text)
+    assert 0.0 <= score <= 1.0
+    sentences = sandbox.split_sentences(text)
+    for lab in data.oracle_errors(WORLD[1], text):
+        assert tuple(lab) == data.LABEL_KEYS and lab["error_span"] in sentences[lab["sentence_index"]]
+
+
+@given(st.integers(min_value=1, max_value=999_000_000_000))
+def test_money_is_written_and_read_back_consistently(amount):
+    q = data.money(amount)
+    assert data.parse_money(q.text) == q.amount
+    [m] = [m for m in data.parse_quantities(f"It cost {q.text} in all.") if m.kind == "qty"]
+    assert data.qty_match(m.qty, q)
