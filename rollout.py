@@ -415,11 +415,27 @@ def _branch_list(episodes, tokenizer):
     return out
 
 
-def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(ids[t] | ...) from logits at t-1. logits (B, T, V), ids (B, T) -> (B, T-1)."""
+def _selected_logprobs(model, ids, attention_mask, position_ids, wanted: list[list[int]], targets: list[list[int]],
+                       temperature: float) -> list[torch.Tensor]:
+    """log p(targets[b][j] | prefix) where the logits come from position
+    wanted[b][j] of row b. Only the positions some row needs go through the
+    output head (`logits_to_keep`): for SFT and RL most of a sequence is
+    prompt, and a (B, T, V) logits tensor would dominate time and memory."""
+    dev = ids.device
+    keep = sorted({p for w in wanted for p in w})
+    col = torch.full((ids.shape[1],), -1, dtype=torch.long, device=dev)
+    col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
+    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
     t = temperature if temperature > 0 else 1.0
-    logp = F.log_softmax(logits[:, :-1].float() / t, dim=-1)
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = F.log_softmax(logits.float() / t, dim=-1)
+    out = []
+    for b, (w, tg) in enumerate(zip(wanted, targets)):
+        if not w:
+            out.append(logp.new_zeros(0))
+            continue
+        out.append(logp[b, col[torch.tensor(w, device=dev)], torch.tensor(tg, device=dev)])
+    return out
 
 
 def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None, temperature: float = 1.0,
@@ -463,16 +479,22 @@ def _score_branches(model, chunk, out, temperature, dev):
     width = max(len(b.input_ids) for _, b in chunk)
     ids = torch.zeros((len(chunk), width), dtype=torch.long)
     mask = torch.zeros((len(chunk), width), dtype=torch.long)
-    for i, (_, b) in enumerate(chunk):  # right padding: positions start at 0 for every row
+    wanted, targets, where = [], [], []
+    for i, (e, b) in enumerate(chunk):  # right padding: positions start at 0 for every row
         ids[i, :len(b.input_ids)] = torch.tensor(b.input_ids)
         mask[i, :len(b.input_ids)] = 1
+        w, tg = [], []
+        for ti, s, t_end in b.turns:
+            where.append((i, e, ti, len(w), len(w) + t_end - s))
+            w += range(s - 1, t_end - 1)
+            tg += b.input_ids[s:t_end]
+        wanted.append(w)
+        targets.append(tg)
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    lp = _gather_logprobs(logits, ids, temperature)  # (B, T-1)
-    for i, (e, b) in enumerate(chunk):
-        for ti, s, t_end in b.turns:
-            out[e][ti] = lp[i, s - 1:t_end - 1]
+    rows = _selected_logprobs(model, ids, mask, pos, wanted, targets, temperature)
+    for i, e, ti, a, z in where:
+        out[e][ti] = rows[i][a:z]
 
 
 @dataclass
@@ -482,6 +504,7 @@ class _Tree:
     parent: list[int]
     depth: list[int]
     targets: list[tuple[int, int, list[int]]]  # (episode, turn, node index of each generated id)
+    paths: list[list[int]] = field(default_factory=list)  # root-to-leaf nodes of every branch
 
 
 def _trees(episodes, tokenizer, group=False) -> list[_Tree]:
@@ -509,6 +532,7 @@ def _trees(episodes, tokenizer, group=False) -> list[_Tree]:
                 nodes.append(node)
             for ti, s, t_end in b.turns:
                 cur.targets.append((e, ti, nodes[s:t_end]))
+            cur.paths.append(nodes)
     return trees
 
 
@@ -518,16 +542,27 @@ def group_trees(episodes, tokenizer=None) -> list[_Tree]:
 
 
 def _tree_mask(tree: _Tree, width: int) -> torch.Tensor:
-    """(width, width) bool: node i sees node j iff j is i or an ancestor of i."""
+    """(width, width) bool: node i sees node j iff j is i or an ancestor of i.
+
+    Nodes are created in path order, so the nodes a branch adds are a
+    contiguous block [a, b): they see the branch's shared prefix and, within
+    the block, themselves and what came before (lower triangle)."""
     n = len(tree.ids)
     m = torch.zeros((width, width), dtype=torch.bool)
-    for i in range(n):
-        p = tree.parent[i]
-        if p >= 0:
-            m[i] = m[p]
-        m[i, i] = True
-    for i in range(n, width):  # padding sees itself only (no NaN rows)
-        m[i, i] = True
+    done = 0
+    for path in tree.paths:
+        new = [k for k, node in enumerate(path) if node >= done]
+        if not new:
+            continue
+        k0 = new[0]
+        a, b = path[k0], path[-1] + 1
+        assert path[k0:] == list(range(a, b)), "trie nodes must be created in path order"
+        if k0:
+            m[a:b, torch.tensor(path[:k0])] = True
+        m[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        done = b
+    idx = torch.arange(n, width)
+    m[idx, idx] = True  # padding sees itself only (no fully masked rows)
     return m
 
 
@@ -538,22 +573,23 @@ def _score_trees(model, chunk, out, temperature, dev):
         dtype = torch.float32
     ids = torch.zeros((len(chunk), width), dtype=torch.long)
     pos = torch.zeros((len(chunk), width), dtype=torch.long)
-    masks = []
+    masks, wanted, targets, where = [], [], [], []
     for i, t in enumerate(chunk):
         ids[i, :len(t.ids)] = torch.tensor(t.ids)
         pos[i, :len(t.ids)] = torch.tensor(t.depth)
         masks.append(_tree_mask(t, width))
-    allowed = torch.stack(masks)[:, None].to(dev)  # (B, 1, T, T)
-    add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
-    logits = model(input_ids=ids.to(dev), attention_mask=add, position_ids=pos.to(dev)).logits  # (B, T, V)
-    t_ = temperature if temperature > 0 else 1.0
-    logp = F.log_softmax(logits.float() / t_, dim=-1)
-    for i, t in enumerate(chunk):
-        parent = torch.tensor(t.parent, device=dev)
+        w, tg = [], []
         for e, ti, nodes in t.targets:
-            n = torch.tensor(nodes, device=dev)
-            tok = ids[i, nodes].to(dev)
-            out[e][ti] = logp[i, parent[n], tok]
+            where.append((i, e, ti, len(w), len(w) + len(nodes)))
+            w += [t.parent[n] for n in nodes]
+            tg += [t.ids[n] for n in nodes]
+        wanted.append(w)
+        targets.append(tg)
+    allowed = torch.stack(masks)[:, None].to(dev)  # (B, 1, T, T)
+    add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+    rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted, targets, temperature)
+    for i, e, ti, a, z in where:
+        out[e][ti] = rows[i][a:z]
 
 
 # ---------------------------------------------------------------------------
