@@ -737,7 +737,11 @@ def _make_earnings(r: random.Random) -> dict[str, _F]:
     rev = v.big_money()
     growth = v.pct(2, 28)
     up = r.random() < 0.75
-    prior = v._new(lambda: money(int(round(rev.amount / (1 + growth.amount / 100 if up else 1 - growth.amount / 100)))))
+    exact = rev.amount / (1 + growth.amount / 100 if up else 1 - growth.amount / 100)
+    tries = iter(range(1000))
+    # The exact prior can print like a value already drawn (same rounded text):
+    # then a value within 3% keeps the story coherent and every value distinct.
+    prior = v._new(lambda: money(int(round(exact if next(tries) == 0 else exact * r.uniform(0.97, 1.03)))))
     return {
         "rev": _F(c, value=rev, date=v._new(lambda: when(y, qm, qd))),
         "growth": _F(c, value=growth, pred="rise" if up else "fall"),
