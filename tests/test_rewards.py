@@ -1,0 +1,669 @@
+"""Rewards: rules (table-driven), totality on garbage, the lexical scorer, FENICE
+(hand computation, tiny random HF models), tool terms, ToolMatch, the curriculum,
+the combined reward and its batch API, and the news-world agreement check."""
+import dataclasses
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import common
+import rewards as R
+import sandbox
+from helpers import DOC
+
+# ---------------------------------------------------------------------------
+# Numbers
+
+
+@pytest.mark.parametrize("doc,summary,expected", [
+    # percent spellings
+    ("Sales rose 12% last year.", "Sales rose twelve percent.", 1.0),
+    ("Sales rose 12% last year.", "Sales rose 12 percent.", 1.0),
+    ("Sales rose 12 per cent.", "Sales rose 12%.", 1.0),
+    ("Sales rose 12 percent.", "Sales rose 15%.", 0.0),
+    # money: symbols, scale words, abbreviations, thousands separators
+    ("Revenue was $4.2 billion.", "Revenue was 4,200,000,000 dollars.", 1.0),
+    ("Revenue was $4.2 billion.", "Revenue was $4.2bn.", 1.0),
+    ("Revenue was 4,200,000,000 dollars.", "Revenue was US$4.2 billion.", 1.0),
+    ("Revenue was $300 million.", "Revenue was $0.3 billion.", 1.0),
+    ("Revenue was $300 million.", "Revenue was $300,000.", 0.0),
+    ("Revenue was $4.2 billion.", "Revenue was €4.2 billion.", 0.0),  # another currency
+    ("Revenue was 4.2 billion.", "Revenue was $4.2 billion.", 1.0),  # the document may omit the unit
+    ("It has $7 million.", "It has 7 million.", 1.0),  # and so may the summary
+    # plain numbers
+    ("It hired 1,000 people.", "It hired 1000 people.", 1.0),
+    ("It hired 25 people.", "It hired twenty-five people.", 1.0),
+    ("It sold 250 cars.", "It sold two hundred and fifty cars.", 1.0),
+    ("Costs were 12% higher.", "It hired 12 people.", 1.0),  # a bare number may drop a unit
+    ("It hired 12 people.", "Costs were 12% higher.", 0.0),  # but never invent one
+    # rounding within the stated precision and the relative tolerance (5%)
+    ("Revenue was $4.23 billion.", "Revenue was $4.2 billion.", 1.0),
+    ("Revenue was $4.23 billion.", "Revenue was $4 billion.", 0.0),  # 5.4% off
+    ("Growth was 12.4%.", "Growth was 12%.", 1.0),
+    ("Growth was 3.5%.", "Growth was 4%.", 0.0),
+    ("It has 3,412 staff.", "It has 3,400 staff.", 1.0),
+    ("It has 3,412 staff.", "It has 3,000 staff.", 0.0),
+    ("It has 96 stores.", "It has 100 stores.", 1.0),
+    ("It has 96 stores.", "It has 99 stores.", 0.0),  # 99 claims precision it does not have
+    # ordinals
+    ("It was the 3rd quarter.", "It was the third quarter.", 1.0),
+    ("It was the third quarter.", "It was the fourth quarter.", 0.0),
+    ("It was the twenty-first year.", "It was the 21st year.", 1.0),
+    # years and dates
+    ("It happened on March 3, 2024.", "It happened on 3 March 2024.", 1.0),
+    ("It happened on March 3, 2024.", "It happened on 2024-03-03.", 1.0),
+    ("It happened on March 3, 2024.", "It happened in March 2024.", 1.0),
+    ("It happened on March 3, 2024.", "It happened on March 5, 2024.", 0.5),  # the date fails, the year holds
+    ("It happened on April 3, 2024.", "It happened on 3/4/2024.", 1.0),  # day-first reading of a slash date
+    ("It was founded in 2017.", "It was founded in 2019.", 0.0),
+    ("It boomed in the 1990s.", "It boomed in the 1990s.", 1.0),
+    ("The meeting is at 5 p.m.", "The meeting is at 17:00.", 1.0),
+    ("The meeting is at 5 p.m.", "The meeting is at 5 a.m.", 0.0),
+    # nothing to check, and words that are not numbers
+    ("Sales rose.", "Sales rose sharply.", 1.0),
+    ("Sales rose.", "One of the stores closed for the first time.", 1.0),
+    ("Sales rose.", "Prices may 5 times... no.", 0.0),  # "may" is no month, 5 is unsupported
+])
+def test_number_consistency(doc, summary, expected):
+    assert R.rule_scores(doc, summary)["numbers"] == pytest.approx(expected)
+
+
+def test_numbers_normalise_to_the_same_values():
+    def values(text):
+        return [(n.kind, n.value, n.currency) for n in R.numbers(text)]
+    assert values("12%") == values("12 percent") == values("twelve percent") == [("percent", 12.0, None)]
+    assert values("$4.2 billion") == values("$4,200,000,000") == values("4.2bn dollars") == \
+        [("money", 4.2e9, "USD")]
+    assert values("3rd") == values("third") == [("ordinal", 3, None)]
+    assert values("March 3, 2024") == values("3 March 2024") == values("2024-03-03") == \
+        [("date", 303, None), ("year", 2024, None)]
+    assert values("G7 summit") == values("one of them") == values("millions of people") == []
+
+
+# ---------------------------------------------------------------------------
+# Entities, length, profanity, tool format
+
+
+@pytest.mark.parametrize("summary,expected", [
+    ("Jane Doe said growth came from the U.S. market.", 1.0),  # a subset of "Jane K. Doe"
+    ("John Roe said growth came from the market.", 0.0),
+    ("Acme's revenue rose, and Dr. Smith disagreed.", 1.0),  # possessive, honorific
+    ("Jane Smith disagreed.", 0.0),  # tokens from two different people
+    ("Globex and Acme Corp. reported revenue in New York.", 1.0),
+    ("Shares fell. Analysts were surprised.", 1.0),  # capitalised openers are not names
+    ("Quarterly revenue at Acme rose.", 1.0),  # an opener the document does not know is a word
+    ("Acme and Initech merged.", 0.5),
+])
+def test_entity_overlap(summary, expected):
+    assert R.rule_scores(DOC, summary)["entities"] == pytest.approx(expected)
+
+
+def test_entities_found_by_the_heuristic():
+    assert R.entities(DOC) == [("acme", "corp"), ("jane", "k", "doe"), ("us",), ("smith",), ("new", "york"),
+                               ("rival", "globex")]
+    assert R.entities("The Bank of America said so. Mr. Lee met Mayor Ruth Hale on Monday.") == [
+        ("bank", "of", "america"), ("lee",), ("ruth", "hale")]
+
+
+def test_spacy_ner_is_used_only_when_asked(monkeypatch):
+    import sys
+    import types
+
+    class Ent:
+        def __init__(self, text, label, start):
+            self.text, self.label_, self.start_char, self.end_char = text, label, start, start + len(text)
+
+    calls = []
+
+    def load(name, disable=()):
+        calls.append(name)
+        return lambda text: types.SimpleNamespace(
+            ents=[Ent("Initech", "ORG", text.find("Initech"))] if "Initech" in text else [])
+
+    monkeypatch.setitem(sys.modules, "spacy", types.SimpleNamespace(load=load))
+    monkeypatch.setattr(R, "_spacy_pipelines", {})
+    cfg = R.RewardConfig(rules=R.RuleConfig(ner="spacy", spacy_model="fake_model"))
+    assert R.rule_scores(DOC, "Initech reported revenue.", cfg)["entities"] == 0.0
+    assert calls == ["fake_model"]
+    assert R.rule_scores(DOC, "Initech reported revenue.")["entities"] == 1.0  # heuristic: a weak opener
+    assert calls == ["fake_model"]
+
+
+def test_spacy_missing_gives_an_install_hint(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "spacy", None)
+    monkeypatch.setattr(R, "_spacy_pipelines", {})
+    with pytest.raises(ImportError, match="pip install spacy"):
+        R.rule_scores(DOC, "Acme rose.", R.RewardConfig(rules=R.RuleConfig(ner="spacy")))
+
+
+@pytest.mark.parametrize("n_words,expected", [
+    (0, 0.0), (5, 1 - 10 / 15), (14, 1 - 1 / 15), (15, 1.0), (60, 1.0), (120, 1.0), (127, 1 - 7 / 15),
+    (135, 0.0), (400, 0.0),
+])
+def test_length_has_soft_edges(n_words, expected):
+    summary = " ".join(["word"] * n_words)
+    assert R.rule_scores(DOC, summary)["length"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("summary,expected", [
+    ("Acme had a fucking good year.", 0.0),
+    ("Acme had a SHITTY year.", 0.0),  # case-insensitive
+    ("Officials in Scunthorpe assess the class of cockpit shitake.", 1.0),  # whole words only
+    ("Dick Cheney visited Acme.", 1.0),
+    ("Acme had a good year.", 1.0),
+])
+def test_profanity(summary, expected):
+    assert R.rule_scores(DOC, summary)["profanity"] == expected
+
+
+def test_profanity_extra_words():
+    cfg = R.RewardConfig(rules=R.RuleConfig(profanity_extra=["Darn"]))
+    assert R.rule_scores(DOC, "Acme had a darn good year.", cfg)["profanity"] == 0.0
+    assert R.rule_details(DOC, "Acme had a darn good year.", cfg)["profanity"].evidence == {"found": ["darn"]}
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('Acme made $5 billion.<search>/revenue of/</search><delete scope="sentence"/> Acme made $4.2 billion.', 1.0),
+    ('Acme made $4.2 billion.<search>revenue</search><search>/rev(/</search>', 1.0),  # a bad regex is well formed
+    ('Acme made $5 billion.<delete scope="word"/>Acme made $4.2 billion.<search>revenue</search>', 0.5),
+    ("Acme made money <results>x</results> ok.", 0.0),  # stray markup
+    ("Acme made money.", 1.0),
+])
+def test_tool_format_from_the_episode(text, expected):
+    ep = sandbox.replay(DOC, text)
+    assert R.rule_scores(DOC, ep)["tool_format"] == expected
+
+
+def test_tool_format_of_a_bare_summary_string():
+    assert R.rule_scores(DOC, "Acme made money.")["tool_format"] == 1.0
+    assert R.rule_scores(DOC, "Acme made <search>money</search>.")["tool_format"] == 0.0
+
+
+def test_rule_evidence_names_what_failed():
+    d = R.rule_details(DOC, "Acme reported revenue of $4.5 billion in 2023, said John Roe.")
+    assert d["numbers"].evidence["unsupported"] == ["$4.5 billion", "2023"]
+    assert d["entities"].evidence["unsupported"] == ["john roe"]
+    assert d["length"].evidence["words"] == 11
+
+
+# ---------------------------------------------------------------------------
+# Totality: any input scores in [0, 1], never raises
+
+
+GARBAGE = [
+    "", " ", "\n\n\t", ".", "...", "\x00\x01\x02", "🙂" * 50, "שלום עולם. مرحبا بالعالم.", "\ud800 lone surrogate",
+    "<search>", "</results><results>", '<delete scope="x"/>', "<p>html <b>markup</b></p>", "$$$ %%% ,,, 1,,,2",
+    "1" * 5000, "9" * 400 + "%", "a" * 100_000, "Aa. " * 20_000, "March 99, 99999", "12/45/2024", "$.5bn",
+    "one one one one", "twenty-first twenty-first", "\u200b\u200b", None, 42, b"bytes", ["a list"], 3.5,
+]
+
+
+@pytest.mark.parametrize("garbage", GARBAGE, ids=range(len(GARBAGE)))
+def test_every_rule_and_score_is_total(garbage):
+    for doc, summary in ((DOC, garbage), (garbage, "Acme reported revenue of $4.2 billion."), (garbage, garbage)):
+        details = R.rule_details(doc, summary)
+        assert set(details) == set(R.RULES)
+        for name, r in details.items():
+            assert 0.0 <= r.score <= 1.0, name
+            assert "error" not in (r.evidence or {}), (name, r.evidence)
+        assert 0.0 <= R.lexical_factuality(doc, summary) <= 1.0
+        out = R.score(doc, summary)
+        assert math.isfinite(out["total"]) and isinstance(out["pass"], bool)
+
+
+def test_a_summary_without_words_scores_zero_everywhere():
+    for empty in ("", "   ", "...", None):
+        assert R.rule_scores(DOC, empty) == {k: 0.0 for k in R.RULES}
+        assert R.lexical_factuality(DOC, empty) == 0.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(doc=st.text(max_size=300), summary=st.text(max_size=300))
+def test_rules_are_total_on_random_text(doc, summary):
+    for r in R.rule_details(doc, summary).values():
+        assert 0.0 <= r.score <= 1.0 and "error" not in (r.evidence or {})
+    assert 0.0 <= R.lexical_factuality(doc, summary) <= 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["12", "%", "$", "4.2", "billion", "bn", "March", "3", ",", "2024", "-", "/",
+                                 "third", "twenty", "one", "hundred", "and", "percent", " ", ".", "p.m.", ":",
+                                 "30", "US$", "1,000", "'s", "s", "th"]), max_size=30))
+def test_number_parser_is_total_on_number_soup(parts):
+    text = "".join(parts)
+    for n in R.numbers(text):
+        assert n.kind in R._SUPPORTERS and math.isfinite(n.value)
+    assert 0.0 <= R.rule_scores(text, text)["numbers"] <= 1.0
+
+
+# ---------------------------------------------------------------------------
+# Lexical factuality
+
+
+@pytest.mark.parametrize("summary,lo,hi", [
+    ("Acme Corp. reported revenue of $4.2 billion, up 12 percent.", 0.99, 1.0),
+    # two document sentences fused at a clause boundary: still supported
+    ("Acme Corp. reported revenue of $4.2 billion on March 3, 2024, said chief executive Jane K. Doe.", 0.99, 1.0),
+    ("Globex reported revenue of $4.2 billion.", 0.4, 0.6),  # intrinsic swap
+    ("Acme Corp. reported revenue of $3.1 billion and Globex reported revenue of $4.2 billion.", 0.4, 0.6),
+    ("Acme reported revenue of $9 billion.", 0.0, 0.3),  # extrinsic number
+    ("Shares fell 3.5% in London.", 0.0, 0.3),  # extrinsic place
+    ("Chief executive Jane K. Doe said the U.S. market did not drive growth.", 0.0, 0.6),  # negation
+    ("It was so.", 0.0, 0.0),  # states nothing
+])
+def test_lexical_factuality(summary, lo, hi):
+    assert lo <= R.lexical_factuality(DOC, summary) <= hi
+
+
+def test_lexical_is_the_mean_over_claims_and_names_itself():
+    a, b = "Acme Corp. reported revenue of $4.2 billion.", "Acme reported revenue of $9 billion."
+    fa, fb = R.lexical_factuality(DOC, a), R.lexical_factuality(DOC, b)
+    assert R.lexical_factuality(DOC, a + " " + b) == pytest.approx((fa + fb) / 2)
+    out = R.score(DOC, a)
+    assert out["factuality_backend"] == R.LEXICAL_NAME == "lexical (model-free approximation)"
+    assert out["claims"][0]["premises"] == [sandbox.split_sentences(DOC)[0]]
+
+
+def test_document_side_is_cached_by_content():
+    R._DOC_CACHE.clear()
+    text = "Acme Corp. hired 12 people. " * 3
+    info = R.document_info(text)
+    assert R.document_info("".join(list(text))) is info  # an equal string, another object
+    assert R.document_info(text + " ") is not info
+    for i in range(R._DOC_CACHE.maxsize + 5):  # bounded
+        R.document_info(f"Document number {i}.")
+    assert len(R._DOC_CACHE) == R._DOC_CACHE.maxsize
+
+
+# ---------------------------------------------------------------------------
+# FENICE: aggregation against a hand computation with a deterministic NLI
+
+
+LONG_DOC = " ".join(f"Fact {w} is true." for w in "alpha beta gamma delta epsilon zeta eta".split())
+
+
+def toy_nli(pairs):
+    """Entailed when every claim word is in the premise; contradicted when the
+    claim says "false"; else neutral. Probabilities are not one-hot, so the
+    contrast matters."""
+    out = []
+    for premise, claim in pairs:
+        pw, cw = set(sandbox.words(premise)), set(sandbox.words(claim))
+        if "false" in cw:
+            out.append([0.1, 0.2, 0.7])
+        elif cw <= pw:
+            out.append([0.8, 0.15, 0.05])
+        else:
+            share = len(cw & pw) / len(cw)
+            out.append([0.3 * share, 0.6, 0.4 - 0.3 * share])
+    return np.array(out)
+
+
+def hand_fenice(document, claims, contrast):
+    """The reference's aggregation written out: per claim the best of sentence,
+    chunk and document premises, rescaled; then the mean."""
+    sents = sandbox.split_sentences(document)
+    chunks = [" ".join(sents[i:i + 5]) for i in range(len(sents) - 4)] if len(sents) >= 5 else [" ".join(sents)]
+    premises = sents + (chunks + [document] if len(chunks) > 1 else [])
+    per_claim = []
+    for c in claims:
+        best = -2.0
+        for p in premises:
+            e, n, k = toy_nli([(p, c)])[0]
+            best = max(best, e - (n if contrast == "entail_minus_neutral" else k))
+        per_claim.append((best + 1) / 2)
+    return sum(per_claim) / len(per_claim)
+
+
+@pytest.mark.parametrize("contrast", R.CONTRASTS)
+def test_fenice_aggregation_matches_a_hand_computation(contrast):
+    claims = {"S1": "Fact alpha is true. Fact beta is true.",  # entailed by sentences
+              "S2": "Fact alpha and beta are true.",  # only a chunk holds both
+              "S3": "Fact omega is true. Fact alpha is false."}
+    calls = []
+    f = R.Fenice(R.FeniceConfig(contrast=contrast), nli_fn=lambda pairs: (calls.append(len(pairs)), toy_nli(pairs))[1],
+                 claim_fn=lambda summaries: [claims[s] for s in summaries])
+    out = f.score_batch([(LONG_DOC, s) for s in claims])
+    for (s, text), res in zip(claims.items(), out):
+        expected = hand_fenice(LONG_DOC, sandbox.split_sentences(text), contrast)
+        assert res["score"] == pytest.approx(expected, abs=1e-12), s
+        assert [r["claim"] for r in res["claims"]] == sandbox.split_sentences(text)
+    assert out[1]["claims"][0]["level"] == "chunk"
+    assert out[0]["claims"][0]["level"] == "sentence"
+    # the contrasts differ where a claim is contradicted: (0.1 - 0.2 + 1) / 2 or (0.1 - 0.7 + 1) / 2
+    assert out[2]["claims"][1]["score"] == pytest.approx(0.45 if contrast == "entail_minus_neutral" else 0.2)
+
+
+def test_fenice_short_documents_use_sentences_only_and_no_claims_is_zero():
+    seen = []
+    doc = "Fact alpha is true. Fact beta is true."
+    f = R.Fenice(nli_fn=lambda pairs: (seen.extend(pairs), toy_nli(pairs))[1],
+                 claim_fn=lambda summaries: ["" for _ in summaries])
+    out = f.score_batch([(doc, "Fact alpha is true."), (doc, ""), (doc, "   ...")])
+    assert {p for p, _ in seen} == set(sandbox.split_sentences(doc))  # no chunk, no document premise
+    # an extractor that yields nothing: the summary's sentences are the claims
+    assert out[0]["claims"][0]["claim"] == "Fact alpha is true." and out[0]["score"] == pytest.approx(0.825)
+    assert out[1] == out[2] == {"score": 0.0, "claims": []}  # defined, never NaN
+
+
+def test_fenice_group_shares_document_work_and_claims():
+    nli_pairs, extracted = [], []
+    f = R.Fenice(nli_fn=lambda pairs: (nli_pairs.extend(pairs), toy_nli(pairs))[1],
+                 claim_fn=lambda summaries: (extracted.extend(summaries), list(summaries))[1])
+    group = [f"Fact alpha is true. Fact {w} is true." for w in ["beta", "gamma", "beta", "delta"]] * 2
+    out = f.score_batch([(LONG_DOC, s) for s in group])
+    assert extracted == list(dict.fromkeys(group))  # each distinct summary extracted once
+    n_premises = 7 + 3 + 1
+    assert len(nli_pairs) == 4 * n_premises  # alpha, beta, gamma, delta: each claim aligned once
+    assert out[0] == out[2] == out[4]
+    nli_pairs.clear()
+    again = f.score_batch([(LONG_DOC, "Fact gamma is true. Fact alpha is true.")])  # claims seen before
+    assert nli_pairs == [] and again[0]["score"] == pytest.approx(0.825)
+    assert f.stats["alignment_hits"] >= 2
+
+
+def test_fenice_caches_are_bounded():
+    f = R.Fenice(R.FeniceConfig(cache_documents=2, cache_claims=3), nli_fn=toy_nli,
+                 claim_fn=lambda summaries: list(summaries))
+    for i in range(6):
+        f.score_batch([(f"Doc {i} says fact {i}. And more.", f"Fact {i} claim {j}.") for j in range(2)])
+    assert len(f.docs) == 2 and len(f.claims) == 3
+
+
+def test_fenice_coreference_premises():
+    doc = "Jane Doe founded Acme. She said sales rose."
+    clusters = [[(0, 8), (23, 26)]]  # "Jane Doe" ... "She"
+    f = R.Fenice(R.FeniceConfig(use_coref=True), nli_fn=toy_nli, claim_fn=lambda s: list(s),
+                 coref_fn=lambda text: clusters)
+    out = f.score_batch([(doc, "Jane Doe said sales rose.")])
+    assert out[0]["claims"][0]["level"] == "coref"
+    assert out[0]["claims"][0]["premise"] == "Jane Doe said sales rose."
+    assert out[0]["score"] == pytest.approx(0.825)
+    off = R.Fenice(nli_fn=toy_nli, claim_fn=lambda s: list(s)).score_batch([(doc, "Jane Doe said sales rose.")])
+    assert off[0]["score"] < 0.825  # off by default
+
+
+def test_nli_labels_are_read_from_the_model_config():
+    assert R._label_columns({0: "CONTRADICTION", 1: "ENTAILMENT", 2: "NEUTRAL"}) == [1, 2, 0]
+    assert R._label_columns({"0": "entailment", "1": "neutral", "2": "contradiction"}) == [0, 1, 2]
+    with pytest.raises(ValueError, match="entailment"):
+        R._label_columns({0: "entailment", 1: "not_entailment"})
+
+
+def test_contrast_is_validated():
+    with pytest.raises(ValueError, match="contrast"):
+        R.Fenice(R.FeniceConfig(contrast="entail_only"))
+
+
+@pytest.fixture(scope="module")
+def tiny_fenice(tmp_path_factory):
+    return R.build_tiny_fenice(str(tmp_path_factory.mktemp("fenice")), texts=[DOC])
+
+
+def test_fenice_end_to_end_with_tiny_random_models(tiny_fenice):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    f = R.Fenice(tiny_fenice)
+    summaries = ["Acme reported revenue of $4.2 billion. Jane Doe said growth came from the U.S.",
+                 "Globex made $3.1 billion.", ""]
+    out = f.score_batch([(DOC, s) for s in summaries] + [("Short doc. Two sentences.", summaries[1])])
+    assert len(out) == 4
+    for r in out:
+        assert 0.0 <= r["score"] <= 1.0 and math.isfinite(r["score"])
+    assert out[2] == {"score": 0.0, "claims": []}
+    assert all(r["claims"] for i, r in enumerate(out) if i != 2)
+    assert f.stats["summaries_extracted"] == 2
+    # a second call over the same rollouts: no model work at all
+    pairs = f.stats["nli_pairs"]
+    assert f.score_batch([(DOC, summaries[0])])[0] == out[0]
+    assert f.stats["nli_pairs"] == pairs
+    # the NLI columns follow config.id2label (CONTRADICTION, ENTAILMENT, NEUTRAL here)
+    tok = AutoTokenizer.from_pretrained(tiny_fenice.nli_model)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_fenice.nli_model).eval()
+    premise, claim = sandbox.split_sentences(DOC)[0], "Acme reported revenue."
+    with torch.no_grad():
+        probs = torch.softmax(model(**tok([premise], [claim], return_tensors="pt")).logits, -1)[0].numpy()
+    got = f.nli([(premise, claim)], 256, 8)[0]
+    assert got == pytest.approx([probs[1], probs[2], probs[0]], abs=1e-5)
+
+
+def test_fenice_with_a_bert_classifier_truncates_to_its_positions(tmp_path):
+    cfg = R.build_tiny_fenice(str(tmp_path), nli_arch="bert", id2label={0: "entailment", 1: "neutral",
+                                                                        2: "contradiction"})
+    long_doc = " ".join([DOC] * 12)  # far past BERT's 128 positions in the whole-document premise
+    out = R.Fenice(cfg).score_batch([(long_doc, "Acme reported revenue.")])
+    assert 0.0 <= out[0]["score"] <= 1.0
+
+
+def test_fenice_backend_in_the_combined_reward(tiny_fenice):
+    cfg = R.RewardConfig(factuality="fenice", fenice=tiny_fenice)
+    out = R.score_batch([(DOC, "Acme reported revenue of $4.2 billion.")] * 2, cfg)
+    assert out[0]["factuality_backend"] == "fenice"
+    assert out[0]["factuality"] == out[1]["factuality"]
+    assert R.fenice_for(tiny_fenice) is R.fenice_for(dataclasses.replace(tiny_fenice))  # loaded once
+
+
+# ---------------------------------------------------------------------------
+# Tool terms and ToolMatch
+
+
+def call(kind, arg, deleted=None, hits=None, valid=True):
+    return sandbox.Call(kind, 0, 0, arg, valid, None, deleted, hits)
+
+
+def episode(*calls, flags=None, doc_id=None):
+    turns = [sandbox.Turn("x", c, ended="call") for c in calls] + [sandbox.Turn("Acme made money.")]
+    return sandbox.Episode(DOC, turns, summary="Acme made money.", flags=flags or {}, doc_id=doc_id)
+
+
+TEACHER = episode(call("search", "/revenue of/", hits=[0, 5]),
+                  call("delete", "sentence", deleted="Acme reported revenue of $5 billion."))
+
+
+@pytest.mark.parametrize("policy,score,steps", [
+    (TEACHER, 1.0, [1.0, 1.0]),
+    # different words, same sentences found: the hits agree
+    (episode(call("search", "acme quarterly figures", hits=[5, 0]),
+             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), 1.0, [1.0, 1.0]),
+    # query words half shared (revenue, of / revenue, of, acme, 2024), no hits
+    (episode(call("search", "acme revenue of 2024"),
+             call("delete", "clause", deleted="Acme reported revenue of $5 billion.")), 0.875, [0.75, 1.0]),
+    # an extra search first: aligned around it, not shifted
+    (episode(call("search", "unrelated words"), call("search", "/revenue of/", hits=[0, 5]),
+             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), 2 / 3, [0.0, 1.0, 1.0]),
+    # deleted something else (1 of 8 distinct words shared)
+    (episode(call("search", "/revenue of/", hits=[0, 5]), call("delete", "sentence", deleted="Shares fell 5.")),
+     (1 + 0.5 + 0.5 * 1 / 8) / 2, [1.0, 0.5 + 0.5 / 8]),
+    (episode(call("delete", "sentence", deleted="x"), call("search", "/revenue of/")), 0.5, [0.0, 1.0]),
+    (episode(), 0.0, []),
+    (episode(call("search", "/revenue of/", hits=[0, 5], valid=False)), 0.0, [0.0]),
+])
+def test_tool_match(policy, score, steps):
+    got, per_step = R.tool_match(policy, TEACHER)
+    assert got == pytest.approx(score)
+    assert per_step == pytest.approx(steps)
+
+
+def test_tool_match_without_any_calls_is_agreement():
+    assert R.tool_match(episode(), episode()) == (1.0, [])
+    assert R.tool_match(TEACHER, episode()) == (0.0, [0.0, 0.0])
+
+
+def test_tool_match_regex_queries_compare_their_words():
+    a, b = call("search", r"/revenue of \$\d+ billion/i"), call("search", "revenue billion of")
+    assert R.call_agreement(a, b) == pytest.approx(1.0)
+
+
+def test_budget_and_cap_penalties():
+    cfg = R.ToolTermsConfig()
+    assert R.tool_terms(TEACHER, cfg) == pytest.approx((0.1, 0.0))
+    capped = sandbox.replay(DOC, "A. " + '<delete scope="sentence"/>B. ' * 7)
+    assert capped.flags.get("delete_cap")
+    budget, cap = R.tool_terms(capped, cfg)
+    assert budget == pytest.approx(0.05 * capped.n_delete) and cap == 0.5
+    assert R.tool_terms(episode(flags={"tool_cap": True}), R.ToolTermsConfig(tool_cap_penalty=0.3))[1] == 0.3
+    assert R.tool_terms("a bare summary", cfg) == (0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Curriculum
+
+
+def test_curriculum_raises_tau_once_the_window_pass_rate_exceeds_the_threshold():
+    c = R.Curriculum(R.CurriculumConfig(taus=[0.5, 0.65], raise_pass_rate=0.2, window_samples=10))
+    assert c.tau == 0.5 and c.pass_rate is None
+    assert not c.update([False] * 8 + [True] * 2)  # 20% is not above 20%
+    assert c.tau == 0.5 and c.pass_rate == pytest.approx(0.2)
+    assert c.update([True])  # the window slides past a failure: 3 of the last 10
+    assert c.tau == 0.65 and c.pass_rate is None  # measured afresh under the new tau
+    assert c.raises == [{"seen": 11, "pass_rate": 0.3, "from": 0.5, "to": 0.65}]
+    assert not c.update([True] * 50)  # the last stage stays
+    assert c.tau == 0.65
+
+
+def test_curriculum_raises_at_the_first_full_window_above_threshold():
+    c = R.Curriculum(R.CurriculumConfig(window_samples=10))
+    assert not c.update([True] * 5)  # 100%, but the window is not full yet
+    assert c.update([False] * 5)  # 50% > 20% as soon as the window is full
+    assert c.tau == 0.65
+
+
+def test_curriculum_accepts_pass_rates_and_round_trips_its_state():
+    c = R.Curriculum(R.CurriculumConfig(taus=[0.5, 0.6, 0.7], window_samples=8))
+    c.update(0.1, n=4)
+    c.update(np.array([True, False, False]))
+    state = json.loads(json.dumps(c.state_dict()))  # checkpoint-safe
+    d = R.Curriculum(R.CurriculumConfig(taus=[0.5, 0.6, 0.7], window_samples=8))
+    d.load_state_dict(state)
+    assert (d.tau, d.pass_rate, d.seen) == (c.tau, c.pass_rate, c.seen) == (0.5, pytest.approx(1.4 / 7), 7)
+    assert d.update([True]) == c.update([True]) is True  # both raise at the same rollout
+    assert d.state_dict() == c.state_dict()
+    with pytest.raises(ValueError, match="taus"):
+        R.Curriculum(R.CurriculumConfig(taus=[0.4, 0.9])).load_state_dict(state)
+
+
+def test_scorer_state_holds_the_curriculum():
+    s = R.Scorer(R.RewardConfig(curriculum=R.CurriculumConfig(window_samples=4)))
+    s.curriculum.update([True] * 4)
+    t = R.Scorer(R.RewardConfig(curriculum=R.CurriculumConfig(window_samples=4)))
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert t.curriculum.tau == 0.65
+    assert t.score_batch([(DOC, "Acme made money.")])[0]["tau"] == 0.65
+
+
+# ---------------------------------------------------------------------------
+# The combined reward and the batch API
+
+KEYS = ["total", "pass", "tau", "factuality", "factuality_backend", "factuality_pass", "rules", "rules_pass",
+        *[f"rule_{k}{p}" for k in R.RULES for p in ("", "_pass")], "budget", "cap_penalty", "tool_match",
+        "tool_match_steps", "n_search", "n_delete", "n_words", "claims", "evidence"]
+
+
+def test_score_has_every_component_and_the_documented_total():
+    ep = sandbox.replay(DOC, 'Acme reported revenue of $5 billion.<search>/revenue of/</search>'
+                             '<delete scope="sentence"/> Acme Corp. reported revenue of $4.2 billion on March 3, '
+                             '2024, up 12% from a year earlier, said chief executive Jane K. Doe.')
+    ep.doc_id = "doc-1"
+    cfg = R.RewardConfig(tools=R.ToolTermsConfig(w_match=0.2))
+    out = R.score_batch([(DOC, ep)], cfg, teacher={"doc-1": TEACHER})[0]
+    assert list(out) == KEYS
+    rules = R.rule_scores(DOC, ep)
+    assert out["rules"] == pytest.approx(sum(rules.values()) / 5)
+    assert out["factuality"] == pytest.approx(R.lexical_factuality(DOC, ep))
+    assert (out["n_search"], out["n_delete"], out["budget"], out["cap_penalty"]) == (1, 1, pytest.approx(0.1), 0.0)
+    match, steps = R.tool_match(ep, TEACHER)
+    assert out["tool_match"] == match and out["tool_match_steps"] == steps and match > 0
+    assert out["total"] == pytest.approx(0.7 * out["factuality"] + 0.3 * out["rules"] - 0.1 + 0.2 * match)
+    assert out["pass"] == (out["factuality"] >= 0.5 and out["rules_pass"])
+    json.dumps(out)  # logs can write it as is
+
+
+def test_pass_needs_factuality_at_tau_and_every_rule():
+    good = "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier."
+    assert R.score(DOC, good)["pass"]
+    assert not R.score(DOC, good.replace("$4.2 billion", "$9 billion"))["pass"]  # numbers rule and F
+    short = "Acme Corp. reported revenue."
+    out = R.score(DOC, short)
+    assert out["factuality_pass"] and not out["rule_length_pass"] and not out["pass"]
+    strict = R.RewardConfig(curriculum=R.CurriculumConfig(taus=[1.01]))
+    assert not R.score(DOC, good, strict)["pass"]
+
+
+def test_delete_cap_lowers_the_reward():
+    capped = sandbox.replay(DOC, "Acme Corp. reported revenue. " + '<delete scope="sentence"/>Acme. ' * 7)
+    plain = sandbox.replay(DOC, "Acme Corp. reported revenue.")
+    a, b = R.score(DOC, capped), R.score(DOC, plain)
+    assert a["cap_penalty"] == 0.5 and a["total"] < b["total"] - 0.5
+
+
+def test_score_batch_takes_documents_as_text_or_records():
+    data = pytest.importorskip("data")
+    doc = next(iter(data.newsworld(1, seed=0)))
+    items = [(doc, doc.summary), (doc.text, doc.summary)]
+    a, b = R.score_batch(items)
+    assert {k: v for k, v in a.items()} == b
+    assert a == R.score(doc, doc.summary)
+
+
+def test_oracle_backend_uses_the_fact_table():
+    data = pytest.importorskip("data")
+    doc = next(iter(data.newsworld(1, seed=0)))
+    cfg = R.RewardConfig(factuality="oracle")
+    out = R.score(doc, doc.summary, cfg)
+    assert out["factuality"] == data.oracle_fact_score(doc, doc.summary) == 1.0
+    assert out["factuality_backend"].startswith("oracle")
+    with pytest.raises(ValueError, match="data.Document"):
+        R.score(doc.text, doc.summary, cfg)
+
+
+def test_reward_config_loads_as_a_group_of_a_script_config():
+    @dataclasses.dataclass
+    class RLConfig:
+        name: str = "run"
+        reward: R.RewardConfig = dataclasses.field(default_factory=R.RewardConfig)
+
+    cfg = common.load_config(RLConfig, ["reward.factuality=fenice", "reward.tools.budget_per_call=0.1",
+                                        "reward.rules.pass_at={numbers: 0.5}", "reward.curriculum.taus=[0.4, 0.6]"])
+    assert cfg.reward.factuality == "fenice" and cfg.reward.tools.budget_per_call == 0.1
+    assert cfg.reward.rules.pass_at["numbers"] == 0.5 and cfg.reward.rules.pass_at["length"] == 0.5
+    assert cfg.reward.curriculum.taus == [0.4, 0.6]
+    with pytest.raises(common.ConfigError, match="did you mean 'reward.tools.w_match'"):
+        common.load_config(RLConfig, ["reward.tools.w_mach=1"])
+    with pytest.raises(ValueError, match="did you mean 'numbers'"):
+        common.load_config(RLConfig, ["reward.rules.pass_at={number: 0.5}"])
+
+
+# ---------------------------------------------------------------------------
+# News world: the oracle's verdict and the lexical scorer's agree on drafts
+
+CLAIM_FAIL = 0.75  # a summary sentence scoring below this is flagged by the lexical scorer
+
+
+def agreement(n_docs=100, drafts_per_doc=4, seed=0):
+    data = pytest.importorskip("data")
+    rng = random.Random(seed)
+    summaries, sentences = [], []
+    for doc in data.newsworld(n_docs, seed=seed):
+        for _ in range(drafts_per_doc):
+            text, _ = data.draft(doc, rng)
+            bad = {e["sentence_index"] for e in data.oracle_errors(doc, text)}
+            claims = R.score(doc, text)["claims"]
+            flagged = {i for i, c in enumerate(claims) if c["score"] < CLAIM_FAIL}
+            summaries.append((bool(bad), bool(flagged)))
+            sentences += [(i in bad, i in flagged) for i in range(len(claims))]
+    rate = lambda rows: sum(a == b for a, b in rows) / len(rows)  # noqa: E731
+    return rate(summaries), rate(sentences), len(summaries)
+
+
+def test_lexical_agrees_with_the_oracle_on_drafter_errors():
+    per_summary, per_sentence, n = agreement()
+    print(f"oracle/lexical agreement on {n} drafts: {per_summary:.3f} per summary, {per_sentence:.3f} per sentence")
+    assert per_summary >= 0.8 and per_sentence >= 0.8
