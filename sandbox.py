@@ -65,12 +65,10 @@ from rank_bm25 import BM25Okapi
 PROTOCOL_VERSION = 1
 EPISODE_VERSION = 1
 
-SYSTEM_PROMPT = (
-    "You write short, factual summaries of news articles. While writing you may call tools. "
-    "<search>QUERY</search> looks up the article: /PATTERN/ or /PATTERN/i is a regular expression, "
-    "anything else a keyword query; the matching sentences come back in <results>. "
-    '<delete scope="sentence"/> or <delete scope="clause"/> retracts the last sentence or clause you '
-    "wrote, so you can write a corrected one. Use the tools only when they help."
+SYSTEM_PROMPT = (  # short: with tiny models the prompt is most of every training sequence
+    "Summarise the article in a few factual sentences. <search>QUERY</search> finds its sentences "
+    '(QUERY is /REGEX/ or keywords); <delete scope="sentence"/> or <delete scope="clause"/> '
+    "retracts what you just wrote."
 )
 
 # ---------------------------------------------------------------------------
@@ -890,6 +888,44 @@ def check_branches(ep: Episode, branches: list[Branch], tokenizer, eos_ids: Iter
                                 f"the turn wrote {turn.text[:80]!r}")
             if any(i in eos for i in b.input_ids[s:e - 1]):
                 raise MaskError(f"{name} branch {bi} turn {ti}: end-of-turn inside the trained ids")
+
+
+def read_episodes(path: str, skip_bad: bool = False) -> list[Episode]:
+    """Episodes from a JSONL file; a malformed line is an error naming the file
+    and line (with `skip_bad`, it is skipped and counted in the returned list's
+    `.skipped` attribute)."""
+    out = _EpisodeList()
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Episode.from_json(line))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                if not skip_bad:
+                    raise ValueError(f"{path}:{n}: not an episode ({type(e).__name__}: {e})") from None
+                out.skipped += 1
+    return out
+
+
+class _EpisodeList(list):
+    skipped = 0
+
+
+def tool_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Tool use of a set of episodes: call validity (syntax), episode validity,
+    searches and deletes per episode, and errors the sandbox answered."""
+    calls = [c for e in episodes for c in e.calls]
+    n = max(1, len(episodes))
+    return {
+        "valid_call_rate": sum(c.valid for c in calls) / len(calls) if calls else float("nan"),
+        "valid_episode_rate": sum(e.valid for e in episodes) / n,
+        "calls_per_episode": len(calls) / n,
+        "searches_per_episode": sum(e.n_search for e in episodes) / n,
+        "deletes_per_episode": sum(e.n_delete for e in episodes) / n,
+        "tool_error_rate": sum(bool(c.error) for c in calls) / len(calls) if calls else 0.0,
+        "truncated_rate": sum(bool(e.flags.get("truncated")) for e in episodes) / n,
+    }
 
 
 def prompt_messages(document: str) -> list[dict]:
