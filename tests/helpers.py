@@ -63,3 +63,35 @@ def script_ids(tokenizer, written: str, eos: bool = True) -> list[int]:
         ids += tokenizer.encode(written[i:end], add_special_tokens=False)
         i = end
     return ids + ([tokenizer.eos_token_id] if eos else [])
+
+
+def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
+    """Text-only corrective traces from the news world's faulty drafter: each
+    wrong sentence is followed by a regex search for its support, a sentence
+    delete and the correction; some correct sentences get a search only."""
+    import random
+
+    import data
+    import sandbox
+
+    rng = random.Random(seed)
+    out = []
+    for doc in data.newsworld(n, seed=seed):
+        text, labels = data.draft(doc, rng)
+        by_sentence = {lab["sentence_index"]: lab for lab in labels}
+        parts = []
+        for i, sent in enumerate(sandbox.split_sentences(text)):
+            lab = by_sentence.get(i)
+            lead = " " if parts else ""
+            if lab:
+                parts.append(f'{lead}{sent}<search>/({lab["regex_key"]})/</search><delete scope="sentence"/> '
+                             f'{lab["corrected_clause"]}')
+            elif rng.random() < search_only:
+                words = " ".join(sandbox.words(sent)[:4])
+                parts.append(f"{lead}{sent}<search>{words}</search>")
+            else:
+                parts.append(lead + sent)
+        ep = sandbox.replay(doc.text, "".join(parts))
+        ep.doc_id = doc.id
+        out.append(ep)
+    return out
