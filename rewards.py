@@ -1165,6 +1165,7 @@ class Fenice:
         if self.cfg.contrast not in CONTRASTS:
             raise ValueError(f"fenice.contrast must be one of {CONTRASTS}, got {self.cfg.contrast!r}")
         self._nli_fn, self._claim_fn, self._coref_fn = nli_fn, claim_fn, coref_fn
+        self._hf_nli: Callable | None = None  # (pairs, max_tokens, batch_size) -> probs, when no nli_fn
         self.docs = LRU(self.cfg.cache_documents)
         self.claims = LRU(self.cfg.cache_claims)
         self.stats: collections.Counter = collections.Counter()  # pairs, summaries extracted, cache hits
@@ -1252,13 +1253,12 @@ class Fenice:
     def nli(self, pairs: list[tuple[str, str]], max_tokens: int, batch_size: int) -> np.ndarray:
         if not pairs:
             return np.zeros((0, 3))
-        if self._nli_fn is None:
-            self._nli_fn = self._load_nli()
         self.stats["nli_pairs"] += len(pairs)
-        try:
-            return np.asarray(self._nli_fn(pairs, max_tokens, batch_size), dtype=np.float64).reshape(-1, 3)
-        except TypeError:  # a plain nli_fn(pairs)
+        if self._nli_fn is not None:
             return np.asarray(self._nli_fn(pairs), dtype=np.float64).reshape(-1, 3)
+        if self._hf_nli is None:
+            self._hf_nli = self._load_nli()
+        return np.asarray(self._hf_nli(pairs, max_tokens, batch_size), dtype=np.float64).reshape(-1, 3)
 
     # -- document and summary sides ------------------------------------------
 
@@ -1576,10 +1576,10 @@ class Curriculum:
 
     def update(self, passes: float | Iterable[bool], n: int = 1) -> bool:
         """Count a batch of pass flags, or a pass rate over `n` rollouts. True if tau rose."""
-        if isinstance(passes, (int, float, np.floating, np.integer)) and not isinstance(passes, bool):
-            values = [min(1.0, max(0.0, float(passes)))] * max(0, int(n))
-        elif isinstance(passes, bool):
+        if isinstance(passes, (bool, np.bool_)):
             values = [float(passes)] * max(0, int(n))
+        elif isinstance(passes, (int, float, np.floating, np.integer)):
+            values = [min(1.0, max(0.0, float(passes)))] * max(0, int(n))
         else:
             values = [float(bool(p)) for p in passes]
         self.window.extend(values)

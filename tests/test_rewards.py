@@ -548,6 +548,10 @@ def test_curriculum_accepts_pass_rates_and_round_trips_its_state():
     assert d.state_dict() == c.state_dict()
     with pytest.raises(ValueError, match="taus"):
         R.Curriculum(R.CurriculumConfig(taus=[0.4, 0.9])).load_state_dict(state)
+    e = R.Curriculum(R.CurriculumConfig(window_samples=4, raise_pass_rate=0.9))
+    e.update(np.bool_(True), n=2)
+    e.update(np.float32(0.5), n=2)
+    assert e.pass_rate == pytest.approx(0.75) and e.seen == 4
 
 
 def test_scorer_state_holds_the_curriculum():
