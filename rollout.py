@@ -104,6 +104,18 @@ class ScriptedProcessor:
     def __init__(self, scripts: dict[int, list[int]], bias: float = 1e4):
         self.scripts, self.bias = scripts, bias
 
+    @staticmethod
+    def ids_for(encode: Callable[[str], list[int]], written: str) -> list[int]:
+        """Ids a policy could sample to write `written` (tool calls included, no
+        results): each turn encoded on its own, as after a results block no
+        token straddles a call's end."""
+        ids, i = [], 0
+        while i < len(written):
+            end = sandbox.find_stop(written, i) or len(written)
+            ids += encode(written[i:end])
+            i = end
+        return ids
+
     def __call__(self, rows, logits: torch.Tensor) -> torch.Tensor:
         for i, r in enumerate(rows):
             s = self.scripts.get(r.index)

@@ -19,6 +19,7 @@ machine is shared and noisy. The last line is one JSON object.
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -56,32 +57,18 @@ def script_text(parts, row, tokenizer, n_tokens):
     index = sandbox.DocIndex("\n\n".join(p.text for p in parts))
     lead = " ".join(ref[: 1 + row % 3])
     first = ref[0]
-    key = regex_escape(" ".join(first.split()[:3]))
+    key = re.escape(" ".join(first.split()[:3]))
     events = (f" {first.replace('.', ', reportedly.', 1)}<search>/{key}/</search><delete scope=\"sentence\"/>"
               f" {first} {ref[1] if len(ref) > 1 else first}<search>{' '.join(sandbox.words(first)[:4])}</search>"
               f" {ref[-1][:-1]}, as expected by most analysts<delete scope=\"clause\"/> at last.")
     filler = " ".join(index.sentences)
     text = lead + events + " " + filler
-    ids = script_ids(tokenizer, text)
+    encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    ids = R.ScriptedProcessor.ids_for(encode, text)
     while len(ids) < n_tokens:
         text += " " + filler
-        ids = script_ids(tokenizer, text)
+        ids = R.ScriptedProcessor.ids_for(encode, text)
     return ids[:n_tokens]
-
-
-def regex_escape(s):
-    import re
-
-    return re.escape(s)
-
-
-def script_ids(tokenizer, written):
-    ids, i = [], 0
-    while i < len(written):
-        end = sandbox.find_stop(written, i) or len(written)
-        ids += tokenizer.encode(written[i:end], add_special_tokens=False)
-        i = end
-    return ids
 
 
 @torch.no_grad()

@@ -54,14 +54,10 @@ def tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, drop
 
 
 def script_ids(tokenizer, written: str, eos: bool = True) -> list[int]:
-    """Ids a policy could sample to write `written`: each turn encoded on its own."""
-    import sandbox
+    """Ids a policy could sample to write `written`, end-of-turn appended."""
+    import rollout
 
-    ids, i = [], 0
-    while i < len(written):
-        end = sandbox.find_stop(written, i) or len(written)
-        ids += tokenizer.encode(written[i:end], add_special_tokens=False)
-        i = end
+    ids = rollout.ScriptedProcessor.ids_for(lambda s: tokenizer.encode(s, add_special_tokens=False), written)
     return ids + ([tokenizer.eos_token_id] if eos else [])
 
 

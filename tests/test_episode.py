@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rollout as R
 import sandbox as S
 from helpers import DOC, bpe_tokenizer
 
@@ -46,24 +47,13 @@ class VocabCodec(S.Codec):
 EOS = 99_999
 
 
-def encode_turnwise(codec, written):
-    """Token ids a policy could sample for `written`: each turn encoded on its
-    own (so no token straddles a call's end, as after a results block)."""
-    ids, i = [], 0
-    while i < len(written):
-        end = S.find_stop(written, i) or len(written)
-        ids += codec.encode(written[i:end])
-        i = end
-    return ids
-
-
 def drive(codec, written, document=DOC, prompt=(1, 2, 3), eos=True, max_new_tokens=None, whole=False,
           **limits):
     """Act as the rollout engine: feed the tokens of `written` one at a time,
     keep our own copy of the context by applying each Action, and record the
     context at the start of every turn. `whole` encodes the text in one go, so
     tokens may straddle call ends (a sampler can produce that too)."""
-    ids = (codec.encode(written) if whole else encode_turnwise(codec, written)) + ([EOS] if eos else [])
+    ids = (codec.encode(written) if whole else R.ScriptedProcessor.ids_for(codec.encode, written)) + ([EOS] if eos else [])
     b = S.EpisodeBuilder(document, list(prompt), codec, S.Limits.make(**limits), eos_ids=[EOS])
     ctx = list(prompt)
     seen = [list(ctx)]
