@@ -232,6 +232,22 @@ def test_api_client_gives_up_with_a_clear_error():
 
 
 @pytest.mark.gpu
-def test_vllm_backend_matches_hf_greedy():  # pragma: no cover - needs CUDA and vLLM
-    pytest.importorskip("vllm")
-    pytest.skip("run with a saved tiny model on a GPU machine: see bench/rollout.py --vllm")
+def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - needs CUDA and vLLM
+    vllm = pytest.importorskip("vllm")
+    import common
+    import data
+    from transformers import AutoModelForCausalLM
+
+    path = common.build_tiny_model("tiny-1m", tmp_path / "m")
+    tok = common.load_tokenizer(path)
+    llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
+                   logprobs_mode="processed_logprobs")
+    docs = [d.text for d in data.newsworld(4, seed=0)]
+    eps = R.rollout(llm, tok, docs, 2, R.SamplingConfig(backend="vllm", temperature=1.0, max_new_tokens=64))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    with torch.no_grad():
+        lps = R.episode_logprobs(model, eps)
+    for e, ep in enumerate(eps):
+        assert ep.has_ids and len(ep.contexts()) == len(ep.turns)
+        for ti, t in enumerate(ep.turns):
+            assert torch.allclose(lps[e][ti].cpu(), torch.tensor(t.logprobs), atol=5e-2)
