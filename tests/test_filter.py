@@ -4,6 +4,7 @@ import csv
 import io
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ import synth_traces as st
 from helpers import DOC
 
 WORLD = list(data.newsworld(8, seed=5))
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEL = '<delete scope="sentence"/>'
 
 
@@ -182,11 +184,11 @@ def test_spot_check_html_escapes_everything_and_strikes_deletions():
 
 def _run(tmp_path, annotator=None, n=200, synth_keys=(), filter_keys=()):
     docs = tmp_path / "docs.jsonl"
-    s_cfg = common.load_config(st.Config, ["--config", "configs/synth_newsworld.yaml", f"docs_path={docs}",
+    s_cfg = common.load_config(st.Config, ["--config", str(CONFIGS / "synth_newsworld.yaml"), f"docs_path={docs}",
                                            f"generate_docs={n}", f"out_path={tmp_path / 'traces.jsonl'}",
                                            f"runs_dir={tmp_path / 'runs'}", *synth_keys])
     synth = st.main(s_cfg, annotator=annotator)
-    f_cfg = common.load_config(ft.Config, ["--config", "configs/filter_newsworld.yaml", f"docs_path={docs}",
+    f_cfg = common.load_config(ft.Config, ["--config", str(CONFIGS / "filter_newsworld.yaml"), f"docs_path={docs}",
                                            f"traces=[{s_cfg.out_path}]", f"out_dir={tmp_path / 'corpus'}",
                                            f"runs_dir={tmp_path / 'runs'}",
                                            f"split.manifest_path={tmp_path / 'split.json'}", *filter_keys])
