@@ -486,6 +486,9 @@ def pool_of(manifest: dict) -> dict[str, str]:
 
 def main(cfg: Config) -> dict:
     t0 = time.perf_counter()
+    for path in [*cfg.traces, cfg.docs_path]:
+        if not os.path.exists(path):
+            raise data.DataError(f"{path} does not exist (make it with synth_traces.py first)")
     run = common.start_run(cfg)
     eps = [ep for path in cfg.traces for ep in read_traces(path)]
     docs = {d.id: d for d in data.read_documents(cfg.docs_path)}
@@ -620,4 +623,8 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(common.load_config(Config))
+    try:
+        main(common.load_config(Config))
+    except (common.ConfigError, data.DataError, data.LeakError) as e:  # bad input: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

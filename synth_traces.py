@@ -1263,8 +1263,8 @@ def load_docs(cfg: Config) -> list[data.Document]:
 def main(cfg: Config, drafter=None, annotator=None, judge=None) -> dict:
     """Run the pipeline; `drafter`/`annotator`/`judge` override the configured ones (tests)."""
     t0 = time.perf_counter()
-    run = common.start_run(cfg)
     si, sn = parse_shard(cfg.shard)
+    run = common.start_run(cfg)
     docs = [d for d in load_docs(cfg) if shard_of(d.id, sn) == si]
     docs = docs[:cfg.limit] if cfg.limit is not None else docs
     out = shard_path(cfg.out_path, si, sn)
@@ -1341,7 +1341,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
         print(f"merge: {res['traces']} traces from {res['inputs']} files ({res['duplicates']} duplicates dropped) "
               f"-> {argv[1]}")
         return 0
-    main(common.load_config(Config, flags_to_keys(argv)))
+    try:
+        main(common.load_config(Config, flags_to_keys(argv)))
+    except (common.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
