@@ -49,8 +49,8 @@ import sandbox
 
 @dataclass
 class DataConfig:
-    train: str = "out/traces/train.jsonl"  # Episode JSONL (filter_traces.py output)
-    eval: str = "out/traces/eval.jsonl"  # held-out episodes: eval loss, and their documents for sampling
+    train: str = "out/corpus/newsworld/train.jsonl"  # Episode JSONL (filter_traces.py output)
+    eval: str = "out/corpus/newsworld/eval.jsonl"  # held-out episodes: eval loss, and their documents for sampling
     docs: str = ""  # Document JSONL with fact tables (needed for the oracle factuality backend)
     max_tokens: int = 2048  # longest branch allowed (prompt included); longer episodes are skipped
     limit: int = 0  # use only the first N training episodes (0 = all)
