@@ -322,6 +322,8 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
     ids the engine really conditioned each turn on (read from its cache).
     """
     cfg = cfg or SamplingConfig()
+    if logits_processor is not None and cfg.backend not in ("hf", "hf_naive"):
+        raise ValueError(f"a logits_processor needs the hf or hf_naive backend, not {cfg.backend!r}")
     if cfg.backend == "vllm":
         return rollout_vllm(model, tokenizer, documents, group_size, cfg, limits)
     if cfg.backend == "api":
