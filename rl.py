@@ -1,0 +1,619 @@
+"""Dr. GRPO with the tool sandbox in the loop: the policy writes summaries, searches
+and deletes while it samples, and learns from group-relative rewards.
+
+    python rl.py --config configs/tiny.yaml                # CPU: the tiny SFT policy, news world, minutes
+    python rl.py --config configs/drgrpo_v19.yaml          # one GPU: 4B in 4-bit + LoRA, Unsloth + vLLM
+    python rl.py --config configs/drgrpo_v19.yaml --plan   # its VRAM plan per stage; loads nothing
+
+One step (DESIGN.md sections 4, 5, 7):
+1. `prompts_per_step` training documents (a seeded permutation per epoch, so the
+   data cursor is the step number); G = `group_size` rollouts each through the
+   rollout engine. The hf engine samples under `model.eval()` (the SN15 bug
+   catalog: dropout left on during rollouts corrupts on-policy data); on the GPU,
+   Unsloth's colocated vLLM engine samples with the current LoRA per request.
+2. Rewards through `rewards.score_batch` (or a `reward_fn` given to `main`); the
+   curriculum of the factuality threshold tau advances on the pass rate.
+3. Advantages A = R - mean(R of the group): Dr. GRPO (Liu et al. 2025), no
+   division by the group's standard deviation. With `advantage=turn` (v19) a
+   turn that made a tool call also gets its per-step ToolMatch credit, centred on
+   the group's mean step credit (see `turn_advantages`).
+4. Mask validation of every episode (trained positions decode to the turns'
+   assistant text), then the update: PPO-clip on every generated token of every
+   branch, each token once, in the context it was sampled in
+   (`rollout.episode_logprobs`), summed and divided by the constant
+   n_rollouts x max_new_tokens (Dr. GRPO: no per-sequence length normalisation),
+   plus beta x k3 KL to the reference policy, `mu` inner epochs against the
+   old log-probs, truncated importance sampling when the sampler is not the
+   trainer (vLLM), gradient clipping, a cosine schedule.
+5. One log line, metrics JSONL, sample episodes, held-out evaluation, and an
+   atomic checkpoint (adapter or weights, optimizer, scheduler, RNG states,
+   curriculum); `resume=auto` continues from the newest complete one.
+
+Where this departs from the papers:
+- Old log-probs are the sampler's own when mu == 1 and the sampler is the
+  trainer (hf backend): the ratio is then 1 up to float noise and the loss is the
+  plain policy gradient. Otherwise they are the first inner epoch's log-probs,
+  detached: the same function under the same weights before any update, so no
+  separate scoring pass is spent on them. For vLLM each token's loss is also
+  weighted by min(p_trainer / p_vllm, tis_cap) (truncated importance sampling,
+  Yao et al. 2025).
+- The clip range may be asymmetric (`clip_low`, `clip_high`: DAPO's clip-higher);
+  the defaults are PPO's symmetric 0.2.
+- KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 in the loss (GRPO),
+  not a reward penalty. The reference is the init weights: the same model with
+  the LoRA adapter disabled, or a frozen copy for a full fine-tune. When `init`
+  is itself an adapter, training continues it and the reference is the base
+  model without it; merge the SFT adapter first to anchor on the SFT policy.
+- mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
+  split); the schedule advances once per RL step.
+- Entropy is estimated as the mean negative log-prob of the sampled tokens.
+- Episodes whose every token has advantage 0 add nothing to the loss when
+  beta == 0 and are not scored at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+
+import common
+import rewards
+import rollout
+import sandbox
+
+
+@dataclass
+class DataConfig:
+    train: str = "out/newsworld/docs.jsonl"  # training documents (Document JSONL)
+    eval: str = ""  # held-out Document JSONL; "" = the train file's split eval pool (or none)
+    split: str = "out/newsworld/split.json"  # leak-cluster manifest (`data.py split`); "" = no split
+    generate: int = 0  # when `train` is missing: make this many news-world documents in memory (0 = error)
+    world_seed: int = 0  # world seed of generated documents (generated eval documents use world_seed + 1)
+    max_prompt_tokens: int = 0  # documents whose prompt is longer are skipped (0 = keep all)
+    teacher: str = ""  # teacher Episode JSONL (e.g. from the api backend) for ToolMatch, matched by doc_id
+
+
+@dataclass
+class EvalConfig:
+    every: int = 25  # steps between held-out evaluations (0 = at the start and the end only)
+    n_docs: int = 32  # held-out documents, greedy rollouts
+    max_new_tokens: int = 160
+    sample_every: int = 10  # steps between sample episodes written to samples.jsonl (0 = never)
+    n_samples: int = 4  # episodes written each time
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False  # also write TensorBoard events to the run directory
+    wandb_project: str = ""  # also log to this W&B project ("" = off)
+
+
+@dataclass
+class PlanConfig:
+    model: str = ""  # the planner's model shape: a configs/models/ name or a config.json ("" = model.name_or_path)
+    prompt_len: int = 1024  # prompt tokens a rollout starts from (data.max_prompt_tokens when set)
+    injected_tokens: int = 400  # results-block tokens a rollout's context holds (2 searches of 200)
+
+
+@dataclass
+class Config:
+    name: str = "rl"  # run name: outputs go to runs_dir/name
+    runs_dir: str = "runs"
+    init: str = ""  # start from this directory (an SFT run's final/): full weights (LoRA on top), or an adapter
+    model: common.ModelConfig = field(default_factory=common.ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: rollout.SamplingConfig = field(default_factory=rollout.SamplingConfig)
+    limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
+    reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    steps: int = 200  # RL steps (rollout batches)
+    prompts_per_step: int = 4  # documents per step
+    group_size: int = 8  # G: rollouts per document
+    micro_groups: int = 1  # groups per forward/backward pass (gradients accumulate over a step)
+    mu: int = 1  # inner epochs: optimizer steps per batch of rollouts
+    lr: float = 1e-5
+    min_lr_ratio: float = 1.0  # the cosine schedule ends at lr * min_lr_ratio (1 = constant after warm-up)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"  # adamw_8bit: bitsandbytes' 8-bit states
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # and above at 1 + clip_high
+    beta: float = 0.0  # weight of the k3 KL to the reference policy (0: no reference pass)
+    tis_cap: float = 2.0  # truncated importance-sampling weight cap (sampler != trainer only)
+    advantage: Literal["outcome", "turn"] = "outcome"  # turn: + per-step ToolMatch credit on call turns
+    turn_credit: float = 1.0  # scale of that per-step credit
+    score_method: Literal["tree", "branch"] = "tree"  # tree: one forward per episode (sdpa/eager attention)
+    max_batch_tokens: int = 16384  # tokens per forward pass inside a micro-batch
+    max_logprob_gap: float = 0.5  # abort when trainer and sampler log-probs differ by more (mean |.|, nats)
+    save_every: int = 1  # steps between checkpoints (1: a kill loses at most the current step)
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | none | a checkpoint path
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces (tests import these)
+# ---------------------------------------------------------------------------
+
+
+def step_documents(n_docs: int, k: int, seed: int, step: int) -> list[int]:
+    """Indices of the `k` documents of `step`: consecutive slices of a seeded
+    permutation per epoch, so the data cursor is the step number itself."""
+    out = []
+    for j in range(step * k, step * k + k):
+        epoch, i = divmod(j, n_docs)
+        order = list(range(n_docs))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        out.append(order[i])
+    return out
+
+
+def group_advantages(rewards_: Sequence[float], group_size: int) -> list[float]:
+    """A_i = R_i - mean(R of i's group) (Dr. GRPO: no std normalisation).
+    Rewards are in document-major order, `group_size` per document."""
+    r = torch.tensor(rewards_, dtype=torch.float64).view(-1, group_size)  # (docs, G)
+    return (r - r.mean(1, keepdim=True)).flatten().tolist()
+
+
+def turn_advantages(episodes: Sequence[sandbox.Episode], results: Sequence[dict], group_size: int,
+                    mode: str = "outcome", credit: float = 1.0) -> list[list[float]]:
+    """Per episode, per turn: the advantage its generated tokens get.
+
+    `outcome`: every turn gets its episode's group advantage. `turn`: a turn that
+    ended in a tool call gets, on top, credit x (s - b): s is that call's
+    per-step ToolMatch value (`results[i]["tool_match_steps"]`, one per call in
+    order), b the mean step value over every call of the group (0 if none).
+    Turns without a call keep the outcome advantage."""
+    base = group_advantages([r["total"] for r in results], group_size)
+    out = []
+    for g in range(0, len(episodes), group_size):
+        steps = [list(results[i].get("tool_match_steps") or []) for i in range(g, g + group_size)]
+        pooled = [s for st in steps for s in st]
+        mean = sum(pooled) / len(pooled) if pooled else 0.0
+        for i, st in zip(range(g, g + group_size), steps):
+            ep, adv, k = episodes[i], [], 0
+            for t in ep.turns:
+                a = base[i]
+                if mode == "turn" and t.call is not None:
+                    a += credit * ((st[k] if k < len(st) else 0.0) - mean)
+                    k += 1
+                adv.append(a)
+            out.append(adv)
+    return out
+
+
+def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Sequence[float]]) -> torch.Tensor:
+    """(T,) one advantage per generated token, episodes then turns in order
+    (the order of `flat`)."""
+    return torch.tensor([a for ep, adv in zip(episodes, turn_adv) for t, a in zip(ep.turns, adv)
+                         for _ in range(len(t.ids))], dtype=torch.float32)
+
+
+def flat(per_turn: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor:
+    """(T,) the per-episode, per-turn tensors of `episode_logprobs`, concatenated."""
+    parts = [t for ep in per_turn for t in ep if t is not None and t.numel()]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def sampler_logprobs(episodes: Sequence[sandbox.Episode]) -> torch.Tensor:
+    """(T,) the log-probs the sampler recorded (nan where it recorded none)."""
+    return torch.tensor([lp for ep in episodes for t in ep.turns
+                         for lp in (t.logprobs if t.logprobs is not None else [math.nan] * len(t.ids))],
+                        dtype=torch.float32)
+
+
+def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,
+                   clip_high: float = 0.2, ref_logp: torch.Tensor | None = None, beta: float = 0.0,
+                   is_weight: torch.Tensor | None = None):
+    """Per-token loss (T,), k3 KL (T,) or None, and the clipped mask (T,).
+
+    loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) [x is_weight] + beta k3,
+    r = exp(logp - old_logp). The caller sums and divides by its constant."""
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    if is_weight is not None:
+        pg = pg * is_weight
+    clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
+    kl = None
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+        pg = pg + beta * kl
+    return pg, kl, clipped
+
+
+def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw) -> torch.Tensor:
+    """Sum of the per-token losses over every generated token, divided by
+    n_rollouts x max_new_tokens (the same constant for every sequence)."""
+    return ppo_token_loss(logp, old_logp, adv, **kw)[0].sum() / (n_rollouts * max_new_tokens)
+
+
+def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperature: float) -> torch.Tensor:
+    """(T,) log-probs of every generated token under its own context, differentiable."""
+    return flat(rollout.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
+                                         max_batch_tokens=cfg.max_batch_tokens))
+
+
+def validate_masks(episodes: Sequence[sandbox.Episode], tokenizer) -> None:
+    """Every trained position of every episode decodes to its turn's assistant
+    text (the SN15 catalog: assert it before every update); raises MaskError."""
+    eos = rollout.stop_ids(tokenizer)
+    for ep in episodes:
+        sandbox.check_branches(ep, ep.branches(), tokenizer, eos)
+
+
+def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
+    """(train, eval, how they were obtained)."""
+    import data  # the documents module (no torch)
+
+    path = Path(cfg.train)
+    if path.exists():
+        docs, how = data.read_documents(cfg.train), f"{cfg.train}"
+    elif cfg.generate:
+        docs = list(data.newsworld(cfg.generate, seed=cfg.world_seed))
+        how = f"{cfg.train} missing: {cfg.generate} news-world documents generated in memory (seed {cfg.world_seed})"
+    else:
+        raise SystemExit(f"data.train={cfg.train}: no such file (write one with `python data.py newsworld "
+                         f"--n 1000 --seed 0 --out {cfg.train}`, or set data.generate=N)")
+    held = data.read_documents(cfg.eval) if cfg.eval else None
+    if cfg.split and Path(cfg.split).exists():
+        pools = json.loads(Path(cfg.split).read_text(encoding="utf-8"))["pools"]
+        train_ids, eval_ids = {e["id"] for e in pools["train"]}, {e["id"] for e in pools["eval"]}
+        train = [d for d in docs if d.id in train_ids]
+        held = [d for d in (held if held is not None else docs) if d.id in eval_ids]
+        how += f", split {cfg.split}"
+    else:
+        train = docs
+        if held is None and not path.exists():
+            held = list(data.newsworld(max(1, cfg.generate // 10), seed=cfg.world_seed + 1))
+    return train, held or [], how
+
+
+def plan_config(cfg: Config, batch: int) -> common.PlanConfig:
+    """The memory planner's view of a run with `batch` groups in flight:
+    completions of max_new_tokens plus the results blocks injected into them."""
+    m = cfg.model
+    return common.PlanConfig(
+        model=cfg.plan.model or m.name_or_path,
+        dtype="bfloat16" if m.dtype == "auto" else m.dtype,
+        quant=m.quant, lora_rank=m.lora.rank if m.lora.enabled else 0, lora_targets=list(m.lora.target_modules),
+        optimizer=cfg.optimizer, gradient_checkpointing=m.gradient_checkpointing, backend=m.backend,
+        batch=batch, group_size=cfg.group_size,
+        prompt_len=cfg.data.max_prompt_tokens or cfg.plan.prompt_len,
+        completion_len=cfg.sampling.max_new_tokens + cfg.plan.injected_tokens,
+        gpu_memory_utilization=m.gpu_memory_utilization if cfg.sampling.backend == "vllm" else 0.0,
+        # each episode is scored as its own tree: the prompt is counted once per rollout
+        share_prompt=False)
+
+
+def memory_plan(cfg: Config) -> common.MemoryPlan:
+    """Rollout with every group of a step in flight, update one micro-batch of
+    `micro_groups` groups at a time; a stage beside vLLM fits a card C when
+    vLLM's needs fit u x C and the trainer's (1 - u) x C (common's rule)."""
+    roll = common.plan_memory(plan_config(cfg, cfg.prompts_per_step))
+    upd = common.plan_memory(plan_config(cfg, cfg.micro_groups))
+    plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
+                               vllm=roll.vllm, min_gpu_gb={}, fits={})
+    u = plan.config.gpu_memory_utilization
+    for name, parts in plan.stages.items():
+        trainer = sum(parts.values())
+        need = max(sum(plan.vllm.values()) / u, trainer / (1 - u)) if plan.vllm else trainer
+        plan.min_gpu_gb[name] = need
+        plan.fits[name] = {g: need <= g for g in common.GPU_SIZES_GB}
+    return plan
+
+
+def format_plan(cfg: Config) -> str:
+    plan = memory_plan(cfg)
+    verdict = ", ".join(f"{g} GB {'yes' if all(f[g] for f in plan.fits.values()) else 'no'}"
+                        for g in common.GPU_SIZES_GB)
+    return (f"{common.format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
+            f"{cfg.micro_groups} group(s) per forward/backward)\nRL fits: {verdict}")
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def load_model(cfg: Config):
+    """The policy from `init` (an adapter directory continues that adapter;
+    full weights get a fresh LoRA when model.lora.enabled), else model.name_or_path."""
+    mcfg = cfg.model
+    if cfg.init:
+        init = Path(cfg.init)
+        if not init.exists():
+            raise SystemExit(f"init={cfg.init} does not exist: run the SFT stage first "
+                             "(`python sft.py --config configs/sft_tiny.yaml` for the tiny config)")
+        key = "adapter_path" if (init / "adapter_config.json").exists() else "name_or_path"
+        mcfg = dataclasses.replace(mcfg, **{key: str(init)})
+    if mcfg.backend == "unsloth":
+        import os
+
+        # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING);
+        # the scoring path needs them. Read at forward time, so set before the first one.
+        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
+    return common.load_policy(mcfg, train=True)
+
+
+def make_optimizer(cfg: Config, params):
+    if cfg.optimizer == "adamw_8bit":
+        common._require("bitsandbytes", "optimizer='adamw_8bit'", "pip install bitsandbytes==0.50.2")
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def trim_jsonl(path: Path, step: int) -> int:
+    """Drop the lines of a resumed run past `step` (all of them when starting
+    over at 0), and a torn last line; returns how many were dropped."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            s = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if step > 0 and s <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        common.atomic_write_text(path, "".join(x + "\n" for x in keep))
+    return dropped
+
+
+def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
+    """Optional TensorBoard / W&B writers: f(step, numeric fields)."""
+    out = []
+    if cfg.log.tensorboard:
+        common._require("tensorboard", "log.tensorboard=true", "pip install tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(run_dir / "tb"))
+
+        def to_tensorboard(s: int, f: dict) -> None:
+            for k, v in f.items():
+                tb.add_scalar(k, v, s)
+            tb.flush()
+
+        out.append(to_tensorboard)
+    if cfg.log.wandb_project:
+        common._require("wandb", "log.wandb_project", "pip install wandb")
+        import wandb
+
+        wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=common.config_to_dict(cfg), resume="allow")
+        out.append(lambda s, f: wandb.log(f, step=s))
+    return out
+
+
+def mean(xs) -> float:
+    xs = [float(x) for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = None) -> dict:
+    """Train; returns {"history": per-step metrics, "eval": the last held-out evaluation, "step"}.
+    `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces `rewards.score_batch`."""
+    if cfg.sampling.backend == "api":
+        raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
+                         "(the api backend makes teacher episodes: data.teacher)")
+    run = common.start_run(cfg)
+    common.seed_everything(cfg.seed)
+    model, tok = load_model(cfg)
+    vllm = cfg.sampling.backend == "vllm"
+    if vllm and not hasattr(model, "vllm_engine"):
+        raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, model.fast_inference=true")
+    lora = bool(getattr(model, "peft_config", None))
+    ref_copy = common.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
+    limits = sandbox.Limits.make(**cfg.limits)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    scorer = rewards.Scorer(cfg.reward)
+    G, temperature = cfg.group_size, cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
+
+    train_docs, eval_docs, how = load_documents(cfg.data)
+    if cfg.data.max_prompt_tokens:
+        fits = lambda d: len(sandbox.prompt_ids(tok, d.text)) <= cfg.data.max_prompt_tokens  # noqa: E731
+        n0 = len(train_docs)
+        train_docs, eval_docs = [d for d in train_docs if fits(d)], [d for d in eval_docs if fits(d)]
+        how += f", {n0 - len(train_docs)} over {cfg.data.max_prompt_tokens} prompt tokens skipped"
+    eval_docs = eval_docs[:cfg.eval.n_docs]
+    if not train_docs:
+        raise SystemExit(f"no training documents ({how})")
+    teacher = None
+    if cfg.data.teacher:
+        teacher = {e.doc_id: e for e in sandbox.read_episodes(cfg.data.teacher) if e.doc_id}
+        covered = sum(d.id in teacher for d in train_docs)
+        how += f"; teacher episodes for {covered}/{len(train_docs)} training documents"
+    print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
+    print(f"factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}" + (" (custom reward_fn)" if reward_fn else ""))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(cfg, params)
+    sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    step = 0
+    ckpt = common.resolve_resume(cfg.resume, run.dir)
+    if ckpt is not None:
+        got = common.load_checkpoint(ckpt, model, opt, sched, generators={"sample": gen})
+        step = got["step"]
+        scorer.load_state_dict(got["state"]["scorer"])
+        print(f"resumed from {ckpt} at step {step} (tau {scorer.curriculum.tau})")
+    for f in ("metrics.jsonl", "samples.jsonl"):
+        if trim_jsonl(run.dir / f, step):
+            print(f"{f}: lines past step {step} dropped (written after the checkpoint resumed from)")
+    samples = common.MetricsWriter(run.dir / "samples.jsonl")
+    extra = sinks(cfg, run.dir)
+
+    def sample(documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
+        if vllm:
+            # Unsloth's GRPO trainer refreshes vLLM the same way before each generation:
+            # `model.load_lora(path, load_tensors=True)` builds a LoRARequest from the live
+            # adapter tensors (unsloth_zoo.vllm_utils.load_lora; it writes only the adapter
+            # config to `path`, once), passed on to `LLM.generate(..., lora_request=...)`.
+            lora_request = model.load_lora(str(run.dir / "vllm_lora"), load_tensors=True)
+            return rollout.rollout_vllm(model.vllm_engine, tok, documents, group, scfg, limits,
+                                        lora_request=lora_request)
+        return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
+
+    def evaluate() -> dict:
+        """Greedy rollouts on held-out documents, scored by the configured reward
+        (pass at the first tau, so evaluations compare across the curriculum)."""
+        ecfg = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
+        eps = sample(eval_docs, 1, ecfg, torch.Generator().manual_seed(cfg.seed))
+        scores = rewards.score_batch(list(zip(eval_docs, eps)), cfg.reward)
+        out = {f"eval_{k}": mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
+        ts = sandbox.tool_stats(eps)
+        out.update(eval_len=mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
+                   eval_delete=ts["deletes_per_episode"], eval_valid=ts["valid_episode_rate"])
+        run.metrics.write(step=step, **out)
+        print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
+        return out
+
+    history, last_eval = [], {}
+    if step == 0 and eval_docs:
+        last_eval = evaluate()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        # -- rollouts ------------------------------------------------------
+        docs = [train_docs[i] for i in step_documents(len(train_docs), cfg.prompts_per_step, cfg.seed, step)]
+        scfg = dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + 100_003 * step)
+        eps = sample(docs, G, scfg, gen)
+        t1 = time.perf_counter()
+        # -- rewards and advantages ----------------------------------------
+        docs_rep = [d for d in docs for _ in range(G)]
+        if reward_fn is not None:
+            results = reward_fn(docs_rep, eps)
+        else:
+            results = scorer.score_batch(list(zip(docs_rep, eps)), teacher=teacher)
+        bad = [(d.id, r.get("total")) for d, r in zip(docs_rep, results) if not math.isfinite(r.get("total", math.nan))]
+        if bad:
+            raise FloatingPointError(f"step {step + 1}: non-finite reward for documents {bad[:4]}")
+        if all("pass" in r for r in results):
+            scorer.curriculum.update([bool(r["pass"]) for r in results])
+        turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit)
+        t2 = time.perf_counter()
+        # -- update ----------------------------------------------------------
+        validate_masks(eps, tok)
+        sampler_all = sampler_logprobs(eps)
+        n_tokens = len(sampler_all)
+        keep = [i for i, (ep, a) in enumerate(zip(eps, turn_adv))
+                if cfg.beta > 0 or any(x != 0 for x, t in zip(a, ep.turns) if t.ids)]
+        dev = next(model.parameters()).device
+        batches = []
+        for s in range(0, len(keep), cfg.micro_groups * G):
+            idx = keep[s:s + cfg.micro_groups * G]
+            mb = [eps[i] for i in idx]
+            b = {"eps": mb, "adv": token_advantages(mb, [turn_adv[i] for i in idx]).to(dev),
+                 "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
+            if cfg.beta > 0:
+                model.eval()
+                with torch.no_grad(), common.reference_model(model) if lora else contextlib.nullcontext():
+                    b["ref"] = logprobs(model if lora else ref_copy, mb, cfg, temperature)
+            batches.append(b)
+        model.train()
+        denom = len(eps) * cfg.sampling.max_new_tokens  # Dr. GRPO: one constant for every token of the step
+        kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
+        for epoch in range(cfg.mu):
+            for b in batches:
+                logp = logprobs(model, b["eps"], cfg, temperature)
+                if epoch == 0:
+                    # Old log-probs: the sampler's own when it is this model and mu == 1; else
+                    # this first pass's, detached (the same function and weights, before any update).
+                    b["old"] = logp.detach() if cfg.mu > 1 or vllm else b["sampler"]
+                    ok = ~torch.isnan(b["sampler"])
+                    gap_sum += (logp.detach()[ok] - b["sampler"][ok]).abs().sum().item()
+                    gap_n += int(ok.sum())
+                is_w = None
+                if vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
+                    is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
+                tok_loss, kl, clipped = ppo_token_loss(logp, b["old"], b["adv"], cfg.clip_low, cfg.clip_high,
+                                                       b["ref"], cfg.beta, is_w)
+                loss = tok_loss.sum() / denom
+                if not torch.isfinite(loss):
+                    names = list(dict.fromkeys(e.doc_id for e in b["eps"]))[:4]
+                    raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents {names}); "
+                                             "aborting before the update")
+                loss.backward()
+                if epoch == cfg.mu - 1:
+                    kl_sum += kl.sum().item() if kl is not None else 0.0
+                    clip_n += int(clipped.sum())
+            gap = gap_sum / gap_n if gap_n else math.nan
+            if epoch == 0 and gap_n and gap > cfg.max_logprob_gap:
+                raise RuntimeError(f"step {step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
+                                   f"token (max_logprob_gap={cfg.max_logprob_gap}): the update would not be "
+                                   "on-policy. Check dropout, the chat template, and that the model returns the "
+                                   "logits asked for. Nothing was updated.")
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if not torch.isfinite(norm):
+                raise FloatingPointError(f"step {step + 1}: gradient norm is {norm.item()}; aborting before the update")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        lr = sched.get_last_lr()[0]
+        sched.step()
+        step += 1
+        t3 = time.perf_counter()
+        # -- log, samples, eval, checkpoint ---------------------------------
+        scored = sum(len(b["adv"]) for b in batches)
+        ts = sandbox.tool_stats(eps)
+        fields = {
+            "reward": mean(r["total"] for r in results), "pass": mean(r.get("pass") for r in results),
+            "tau": scorer.curriculum.tau, "fact": mean(r.get("factuality") for r in results),
+            "rules": mean(r.get("rules") for r in results), "budget": mean(r.get("budget") for r in results),
+            "cap": mean(r.get("cap_penalty") for r in results), "match": mean(r.get("tool_match") for r in results),
+            "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
+            "entropy": -sampler_all[~torch.isnan(sampler_all)].mean().item() if n_tokens else math.nan,
+            "len": n_tokens / len(eps), "search": ts["searches_per_episode"], "delete": ts["deletes_per_episode"],
+            "valid": ts["valid_episode_rate"], "gap": gap, "grad_norm": norm.item(), "lr": lr,
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": n_tokens / (t3 - t0),
+        }
+        run.log(step, cfg.steps, fields, t3 - t0)
+        history.append(fields)
+        for sink in extra:
+            sink(step, {k: v for k, v in fields.items() if math.isfinite(v)})
+        if cfg.eval.sample_every and step % cfg.eval.sample_every == 0:
+            for ep, r in list(zip(eps, results))[:cfg.eval.n_samples]:
+                samples.write(step=step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
+                                                                   if isinstance(v, (int, float, bool))},
+                              summary=ep.summary, text=ep.text, n_search=ep.n_search, n_delete=ep.n_delete)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and eval_docs:
+            last_eval = evaluate()
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            common.save_checkpoint(run.dir, step, model, opt, sched, state={"scorer": scorer.state_dict()},
+                                   generators={"sample": gen}, keep=cfg.keep_checkpoints)
+
+    if eval_docs:
+        last_eval = evaluate()
+    final = run.dir / "final"
+    with common.atomic_dir(final) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    if history:
+        first, last = history[0], history[-1]
+        print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
+              f"{last['pass']:.3f} (training batches); model saved to {final}")
+    return {"history": history, "eval": last_eval, "step": step}
+
+
+if __name__ == "__main__":
+    try:
+        _cfg, _flags = common.parse_args(Config, flags=("--plan",))
+    except common.ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if "--plan" in _flags:
+        print(format_plan(_cfg))
+    else:
+        main(_cfg)
