@@ -413,7 +413,7 @@ def test_common_imports_without_torch():
 # configs/ file-name prefix -> the script whose Config loads it. The longest prefix wins.
 SCRIPT_FOR_PREFIX = {
     "sft_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
-    "filter_": "filter_traces", "eval_": "eval", "distill_": "distill",
+    "filter_": "filter_traces", "eval_": "eval", "distill_": "distill", "ablation_": "rl",
 }
 
 
