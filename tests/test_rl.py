@@ -1,0 +1,412 @@
+"""Dr. GRPO: advantages and loss by hand, every generated token trained once,
+the guards (mask validation, non-finite values, sampler/trainer gap), exact
+resume after a kill, learning an easy reward, the configs and the VRAM plan."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import data
+import rl
+import rollout as R
+import sandbox as S
+from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = bpe_tokenizer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: a second thread buys nothing, and on a shared CPU
+    its spin-waits make a step several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------
+# Advantages and the loss, by hand
+# ---------------------------------------------------------------------------
+
+
+def test_group_advantages_are_centred_not_scaled():
+    got = rl.group_advantages([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0], group_size=4)
+    assert got == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # GRPO would divide by the group's std: 0.5 / 0.408 = 1.22, and 0/0 for the flat group
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    assert got[0] != pytest.approx(((r - r.mean()) / r.std())[0].item())
+
+
+def test_dr_grpo_weighs_every_token_alike_unlike_length_normalised_grpo():
+    # one group of two rollouts: rewards 1 and 0, so A = +0.5 and -0.5
+    adv_seq = rl.group_advantages([1.0, 0.0], 2)
+    lens = [2, 4]
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.5, -1.0, -3.0], requires_grad=True)
+    adv = torch.tensor([adv_seq[0]] * 2 + [adv_seq[1]] * 4)
+    loss = rl.dr_grpo_loss(logp, logp.detach(), adv, n_rollouts=2, max_new_tokens=4)
+    loss.backward()
+    # ratio 1 everywhere: loss = -(sum of A over tokens) / (2 x 4) = -(2 x 0.5 - 4 x 0.5) / 8
+    assert loss.item() == pytest.approx(0.125)
+    assert logp.grad.tolist() == pytest.approx([-0.0625] * 2 + [0.0625] * 4)  # -A / 8, whatever the length
+    # GRPO (Shao et al.): mean over each sequence's tokens, then over sequences
+    lp2 = logp.detach().clone().requires_grad_(True)
+    per_seq = [lp2[:2], lp2[2:]]
+    grpo = -sum((torch.exp(s - s.detach()) * a).mean() for s, a in zip(per_seq, adv_seq)) / 2
+    grpo.backward()
+    assert lp2.grad.tolist() == pytest.approx([-0.125] * 2 + [0.0625] * 4)  # the short answer weighs double
+    assert not torch.allclose(lp2.grad, logp.grad)
+
+
+def test_ppo_clip_both_sides_kl_and_importance_weights():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 0.5, 1.5]))  # ratios
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, kl, clipped = rl.ppo_token_loss(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    # -min(rA, clip(r)A): clipped at 1.2 / 0.8 where it would help the objective, never where it hurts
+    assert loss.tolist() == pytest.approx([-1.2, 0.8, -0.5, 1.5])
+    assert clipped.tolist() == [True, True, False, False] and kl is None
+    loss_hi, _, _ = rl.ppo_token_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)  # DAPO's clip-higher
+    assert loss_hi[0].item() == pytest.approx(-1.28)
+    ref = logp + math.log(2.0)  # ref / pi = 2 everywhere: k3 = 2 - ln 2 - 1
+    w = torch.tensor([0.5, 1.0, 2.0, 1.0])
+    loss_kl, kl, _ = rl.ppo_token_loss(logp, old, adv, 0.2, 0.2, ref_logp=ref, beta=0.1, is_weight=w)
+    assert kl.tolist() == pytest.approx([1 - math.log(2.0)] * 4)
+    assert loss_kl.tolist() == pytest.approx([a * b + 0.1 * (1 - math.log(2.0)) for a, b in
+                                              zip([-1.2, 0.8, -0.5, 1.5], w.tolist())])
+    _, kl0, _ = rl.ppo_token_loss(logp, old, adv, ref_logp=logp.clone(), beta=0.1)
+    assert kl0.abs().max().item() == 0.0
+
+
+def test_turn_level_advantages_credit_each_call_on_its_own_turn():
+    a = S.replay(DOC, "Acme grew.<search>acme</search> It rose 12%.")
+    b = S.replay(DOC, "Acme grew.<search>revenue</search> Wrong.<search>/Globex/</search> Fine.")
+    results = [{"total": 1.0, "tool_match_steps": [1.0]}, {"total": 0.0, "tool_match_steps": [0.5, 0.0]}]
+    assert [len(e.turns) for e in (a, b)] == [2, 3]
+    assert rl.turn_advantages([a, b], results, 2) == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
+    # step values 1.0, 0.5, 0.0: group mean 0.5; only call turns move
+    assert rl.turn_advantages([a, b], results, 2, "turn", credit=1.0) == [[1.0, 0.5], [-0.5, -1.0, -0.5]]
+
+
+def test_step_documents_walk_a_seeded_permutation_per_epoch():
+    seen = [i for s in range(5) for i in rl.step_documents(10, 2, seed=3, step=s)]
+    assert sorted(seen) == list(range(10))
+    assert rl.step_documents(10, 2, 3, 7) == rl.step_documents(10, 2, 3, 7)
+    assert [rl.step_documents(10, 2, 3, s) for s in range(5, 10)] != [rl.step_documents(10, 2, 3, s) for s in range(5)]
+
+
+# ---------------------------------------------------------------------------
+# Branches: each generated token once, in the context it was sampled in
+# ---------------------------------------------------------------------------
+
+DELETE_SCRIPT = ('Acme reported revenue of $5 billion.<search>/revenue of/</search><delete scope="sentence"/> '
+                 'Acme grew.<search>Jane Doe</search> Jane Doe said, wrongly, Europe<delete scope="clause"/> fine.')
+
+
+def scripted_rollout(model, scripts, docs, group=1, max_new=120):
+    proc = R.ScriptedProcessor({i: script_ids(TOK, s) for i, s in enumerate(scripts)})
+    cfg = R.SamplingConfig(temperature=1.0, max_new_tokens=max_new)
+    return R.rollout(model, TOK, docs, group, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_delete_episodes_loss_covers_every_generated_token_once():
+    model = tiny_llama(TOK, seed=0)
+    (ep,) = scripted_rollout(model, [DELETE_SCRIPT], [DOC])
+    branches = ep.branches()
+    assert ep.n_delete == 2 and len(branches) == 3
+    n = sum(len(t.ids) for t in ep.turns)
+    assert sum(sum(b.loss_mask) for b in branches) == n
+    lp = rl.flat(R.episode_logprobs(model, [ep]))
+    assert lp.shape == (n,)
+    assert torch.allclose(lp, rl.sampler_logprobs([ep]), atol=1e-4)  # same tokens, same order, same contexts
+    adv = rl.token_advantages([ep], [[1.0] * len(ep.turns)])
+    loss = rl.dr_grpo_loss(lp, lp.detach(), adv, n_rollouts=1, max_new_tokens=120)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    # by hand: each branch on its own, log-probs of its masked positions only
+    total = 0.0
+    for b in branches:
+        ids = torch.tensor([b.input_ids])
+        logp = F.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        total = total + sum(logp[p - 1, b.input_ids[p]] for p, m in enumerate(b.loss_mask) if m)
+    want = torch.autograd.grad(-total / 120, list(model.parameters()))
+    for g, w in zip(grads, want):
+        assert torch.allclose(g, w, atol=1e-6)
+
+
+def test_stops_end_turns_and_the_end_of_turn_token_is_trained_not_summarised():
+    model = tiny_llama(TOK, seed=0)
+    eps = scripted_rollout(model, [DELETE_SCRIPT, "Acme grew 12%."], [DOC, DOC[:300]])
+    eot = TOK.eos_token_id
+    for ep in eps:
+        for t in ep.turns[:-1]:  # every turn but the last ended at its tool call's closing characters
+            assert t.ended == "call" and t.text.endswith(("</search>", "/>")) and eot not in t.ids
+        last = ep.turns[-1]
+        assert last.ended == "eos" and last.ids[-1] == eot and "<|eot|>" not in ep.summary
+        assert len(rl.token_advantages([ep], [[0.0] * len(ep.turns)])) == sum(len(t.ids) for t in ep.turns)
+    assert eps[1].summary == "Acme grew 12%." and eps[0].summary == "Acme grew. Jane Doe said, wrongly, fine."
+    rl.validate_masks(eps, TOK)
+
+
+# ---------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A random tiny Llama over the test tokenizer, saved like any model."""
+    path = tmp_path_factory.mktemp("policy")
+    tiny_llama(TOK, seed=0, hidden=32, layers=1).save_pretrained(path)
+    TOK.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs") / "docs.jsonl"
+    texts = [DOC, DOC[:300], "Acme rose 5% on Monday. Globex fell 2%. Jane K. Doe resigned.", DOC[90:]]
+    data.write_jsonl(str(path), [data.Document(id=f"d{i}", text=t) for i, t in enumerate(texts)])
+    return str(path)
+
+
+def first_entity(text: str) -> str:
+    return re.search(r"[A-Z][a-z]+", text).group()
+
+
+def mention_reward(documents, episodes):
+    """A deliberately easy reward: mention the document's first entity (twice for full marks)."""
+    return [{"total": min(1.0, e.summary.count(first_entity(d.text)) / 2), "pass": first_entity(d.text) in e.summary}
+            for d, e in zip(documents, episodes)]
+
+
+def config(policy, docs, tmp_path, lora=False, **over):
+    cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=common.ModelConfig(
+        name_or_path=policy, lora=common.LoraConfig(enabled=lora, rank=4, alpha=8)),
+        data=rl.DataConfig(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1, lr=1e-2)
+    cfg.sampling.max_new_tokens = 16
+    cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=1, n_samples=2)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def trainable(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(common.list_checkpoints(run_dir)[-1] / "trainable.safetensors"))
+
+
+def test_resume_after_a_kill_ends_where_an_uninterrupted_run_ends(policy, docs, tmp_path):
+    full = rl.main(config(policy, docs, tmp_path / "a", steps=4), reward_fn=mention_reward)
+
+    calls = []
+
+    def killed_in_step_3(documents, episodes):  # the process dies mid-step 3, after checkpoint 2
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("kill")
+        return mention_reward(documents, episodes)
+
+    cfg = config(policy, docs, tmp_path / "b", steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        rl.main(cfg, reward_fn=killed_in_step_3)
+    run_b = tmp_path / "b" / "t"
+    assert common.list_checkpoints(run_b)[-1].name == "step_00000002"
+    (run_b / "checkpoints" / ".step_00000003.dead.tmp").mkdir()  # a save the kill cut short
+    resumed = rl.main(cfg, reward_fn=mention_reward)
+    a, b = trainable(tmp_path / "a" / "t"), trainable(run_b)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["reward"] for h in resumed["history"]] == [h["reward"] for h in full["history"][2:]]
+    steps = [r["step"] for r in common.read_metrics(run_b / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]  # nothing logged twice
+    assert [json.loads(x)["step"] for x in (run_b / "samples.jsonl").read_text().splitlines()] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_learns_an_easy_reward_within_a_bounded_number_of_steps(policy, docs, tmp_path):
+    cfg = config(policy, docs, tmp_path, steps=30, group_size=8, save_every=0, sampling=R.SamplingConfig(
+        max_new_tokens=24))
+    cfg.eval.sample_every = 0
+    hist = rl.main(cfg, reward_fn=mention_reward)["history"]
+    first = sum(h["reward"] for h in hist[:5]) / 5
+    last = sum(h["reward"] for h in hist[-5:]) / 5
+    assert first < 0.2 and last > 0.6, [round(h["reward"], 2) for h in hist]
+    assert all(h["gap"] < 1e-3 for h in hist if not math.isnan(h["gap"]))  # sampler log-probs = trainer's
+
+
+def test_mask_validation_guards_every_update(policy, docs, tmp_path, monkeypatch):
+    checked = []
+    real = S.check_branches
+    monkeypatch.setattr(S, "check_branches", lambda ep, *a, **k: (checked.append(ep), real(ep, *a, **k)))
+    rl.main(config(policy, docs, tmp_path / "ok", save_every=0), reward_fn=mention_reward)
+    assert len(checked) == 2 * 2 * 4  # every episode of every step
+
+    def drifted(ep, branches, *a, **k):
+        raise S.MaskError("trained positions drifted")
+
+    monkeypatch.setattr(S, "check_branches", drifted)
+    cfg = config(policy, docs, tmp_path / "bad")
+    with pytest.raises(S.MaskError):
+        rl.main(cfg, reward_fn=mention_reward)
+    assert not common.list_checkpoints(tmp_path / "bad" / "t")  # nothing was updated or saved
+
+
+def test_a_non_finite_reward_aborts_with_the_documents_named(policy, docs, tmp_path):
+    def nan_reward(documents, episodes):
+        return [{"total": math.nan if i == 5 else 0.0} for i in range(len(episodes))]
+
+    with pytest.raises(FloatingPointError, match=r"step 1: non-finite reward for documents \[\('d"):
+        rl.main(config(policy, docs, tmp_path), reward_fn=nan_reward)
+
+
+def spread_reward(documents, episodes):
+    """Rewards that always differ within a group, so every step updates."""
+    return [{"total": i % 4 / 4} for i in range(len(episodes))]
+
+
+def test_kl_to_the_reference_and_inner_epochs(policy, docs, tmp_path):
+    for lora in (True, False):  # reference: adapter disabled / a frozen copy of the initial weights
+        cfg = config(policy, docs, tmp_path / str(lora), lora=lora, beta=0.1, mu=2, steps=2)
+        hist = rl.main(cfg, reward_fn=spread_reward)["history"]
+        assert hist[0]["kl"] >= 0 and hist[1]["kl"] > 0  # the policy moved away from its reference in step 1
+        assert all(0 <= h["clip"] <= 1 for h in hist)
+        trainer = torch.load(common.list_checkpoints(tmp_path / str(lora) / "t")[-1] / "trainer.pt", weights_only=False)
+        assert {int(s["step"]) for s in trainer["optimizer"]["state"].values()} == {4}  # mu optimizer steps a step
+        assert all(h["gap"] < 1e-3 for h in hist)  # the no-grad pass scores what the sampler sampled
+
+
+def fake_vllm(monkeypatch, shift):
+    """The vLLM path on a CPU: the hf engine stands in for vLLM, and its recorded
+    log-probs are moved by `shift` nats, as a different sampler's would be."""
+    real_load, requests = rl.load_model, []
+
+    def load(cfg):
+        model, tok = real_load(cfg)
+        model.vllm_engine = types.SimpleNamespace(policy=model)  # not a submodule
+        model.load_lora = lambda path, load_tensors=False: requests.append((path, load_tensors)) or "lora"
+        return model, tok
+
+    def rollout_vllm(llm, tok, docs, group, cfg, limits, lora_request=None):
+        eps = R.rollout(llm.policy, tok, docs, group, R.SamplingConfig(temperature=cfg.temperature,
+                                                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed),
+                        limits)
+        for e in eps:
+            for t in e.turns:
+                t.logprobs = [x + shift for x in t.logprobs]
+        return eps
+
+    monkeypatch.setattr(rl, "load_model", load)
+    monkeypatch.setattr(R, "rollout_vllm", rollout_vllm)
+    return requests
+
+
+def test_vllm_path_refreshes_the_adapter_and_corrects_the_sampler_mismatch(policy, docs, tmp_path, monkeypatch):
+    requests = fake_vllm(monkeypatch, 0.05)
+    cfg = config(policy, docs, tmp_path / "ok", lora=True, save_every=0)
+    cfg.sampling.backend = "vllm"
+    hist = rl.main(cfg, reward_fn=spread_reward)["history"]
+    assert len(requests) == 2 and all(lt for _, lt in requests)  # a fresh LoRA request before every step
+    assert all(abs(h["gap"] - 0.05) < 1e-3 for h in hist)
+    requests = fake_vllm(monkeypatch, 1.0)
+    with pytest.raises(RuntimeError, match="differ by 1.0"):
+        rl.main(config(policy, docs, tmp_path / "bad", lora=True, sampling=R.SamplingConfig(
+            backend="vllm", max_new_tokens=16)), reward_fn=spread_reward)
+
+
+# ---------------------------------------------------------------------------
+# Configs and the plan
+# ---------------------------------------------------------------------------
+
+
+def flat_keys(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):  # an empty map (limits: {}) holds no key
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def load(name, *over):
+    return common.load_config(rl.Config, ["--config", str(ROOT / "configs" / name), *over])
+
+
+@pytest.mark.parametrize("name, key, value", [
+    ("ablation_no_delete.yaml", "limits.max_deletes", 0),
+    ("ablation_no_search.yaml", "limits.max_searches", 0),
+    ("ablation_no_budget.yaml", "reward.tools.budget_per_call", 0.0),
+])
+def test_each_ablation_changes_one_key_of_the_tiny_config(name, key, value):
+    base, abl = flat_keys(common.config_to_dict(load("tiny.yaml"))), flat_keys(common.config_to_dict(load(name)))
+    diff = {k for k in base.keys() | abl.keys() if base.get(k, "missing") != abl.get(k, "missing")}
+    assert diff == {"name", key} and abl[key] == value
+
+
+def test_v17_v18_v19_step_by_step():
+    v17, v18, v19 = (flat_keys(common.config_to_dict(load(f"drgrpo_v{v}.yaml"))) for v in (17, 18, 19))
+    changed = lambda a, b: {k for k in a if a[k] != b[k]} - {"name"}  # noqa: E731
+    assert changed(v17, v18) == {"group_size", "prompts_per_step", "lr", "beta", "max_grad_norm"}
+    assert {"reward.tools.w_match", "advantage", "limits.max_tool_calls", "data.teacher"} <= changed(v18, v19)
+    assert v17["reward.tools.w_match"] == v18["reward.tools.w_match"] == 0 < v19["reward.tools.w_match"]
+    for v in (v17, v18, v19):
+        assert v["model.backend"] == "unsloth" and v["model.fast_inference"] and v["sampling.backend"] == "vllm"
+        assert v["model.quant"] == "4bit" and v["reward.factuality"] == "fenice"
+
+
+def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything():
+    code = ("import sys, common, rl; "
+            "cfg = common.load_config(rl.Config, ['--config', 'configs/drgrpo_v19.yaml']); "
+            "print(rl.format_plan(cfg)); print('transformers loaded:', 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "RL fits: 24 GB yes" in out and "transformers loaded: False" in out
+    for part in ("weights", "adapter", "activations", "logits", "kv_cache", "rollout", "update"):
+        assert part in out
+    cli = subprocess.run([sys.executable, "rl.py", "--config", "configs/drgrpo_v17.yaml", "--plan"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and "RL fits:" in cli.stdout
+    bad = subprocess.run([sys.executable, "rl.py", "--config", "configs/drgrpo_v17.yaml", "--plan", "group_sise=4"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "did you mean 'group_size'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_sft(tmp_path_factory):
+    """Stands in for runs/sft_tiny/final: a full tiny-1m model saved with save_pretrained."""
+    return str(common.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("sft") / "final", seed=0))
+
+
+def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
+    cfg = load("tiny.yaml", f"init={tiny_sft}", f"runs_dir={tmp_path}", "steps=2", "prompts_per_step=2",
+               "group_size=4", "sampling.max_new_tokens=32", "eval.n_docs=2", "eval.max_new_tokens=16",
+               f"data.train={tmp_path}/missing.jsonl", "data.generate=20", "data.split=")
+    out = rl.main(cfg)
+    assert out["step"] == 2 and len(out["history"]) == 2 and "eval_pass" in out["eval"]
+    run = tmp_path / "rl_tiny"
+    assert (run / "final" / "adapter_config.json").exists()
+    assert common.load_checkpoint(common.resolve_resume("auto", run), *common.load_policy(
+        common.ModelConfig(name_or_path=tiny_sft, lora=cfg.model.lora))[:1])["state"]["scorer"]["curriculum"]
+    with pytest.raises(SystemExit, match="sft.py --config configs/sft_tiny.yaml"):
+        rl.main(load("tiny.yaml", f"init={tmp_path}/nowhere", f"runs_dir={tmp_path}/x"))
+
+
+@pytest.mark.gpu
+def test_unsloth_vllm_runs_two_steps(tmp_path):
+    """One GPU: drgrpo_v19's stack (Unsloth 4-bit LoRA, colocated vLLM, refreshed
+    adapter per step), shrunk to two small steps on news-world documents."""
+    model = os.environ.get("RL_GPU_MODEL", "unsloth/Qwen3-4B-Instruct-2507-bnb-4bit")
+    cfg = load("drgrpo_v19.yaml", "init=", f"model.name_or_path={model}", f"runs_dir={tmp_path}", "steps=2",
+               "prompts_per_step=2", "group_size=4", "sampling.max_new_tokens=64", "eval.n_docs=0",
+               f"data.train={tmp_path}/missing.jsonl", "data.generate=8", "data.split=", "data.eval=",
+               "data.teacher=", "reward.factuality=lexical", "reward.tools.w_match=0")
+    out = rl.main(cfg)
+    assert out["step"] == 2 and all(h["gap"] < cfg.max_logprob_gap for h in out["history"])
