@@ -54,7 +54,7 @@ class SamplingConfig:
     max_new_tokens: int = 256  # generated tokens per episode, all turns together
     max_context_tokens: int = 4096  # a row whose context would pass this ends, truncated
     batch_size: int = 64  # rows decoded together (documents x group size); larger inputs are chunked
-    compact_waste: float = 0.5  # compact the KV cache when this share of its slots is masked
+    compact_waste: float = 0.2  # compact the KV cache when this share of its slots is masked (bench/rollout.py)
     seed: int = 0
     # api backend
     api_base: str = "http://127.0.0.1:8000/v1"

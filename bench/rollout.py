@@ -135,6 +135,7 @@ def bench_preset(preset, args):
         res["hf"].append(hf_rate)
         res["hf_naive"].append(run("hf_naive")[0])
     events = sum(e.n_search + e.n_delete for e in eps) / len(eps)
+    gen_total = sum(len(t.ids) for e in eps for t in e.turns)
     doc_tokens = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
 
     # scoring: forward + backward over the same episodes, per branch vs one tree per episode
@@ -156,6 +157,8 @@ def bench_preset(preset, args):
         f"{preset}_tok_s_hf": med["hf"], f"{preset}_tok_s_plain": med["plain"],
         f"{preset}_tok_s_naive": med["hf_naive"],
         f"{preset}_ratio_vs_plain": med["hf"] / med["plain"], f"{preset}_ratio_vs_naive": med["hf"] / med["hf_naive"],
+        # counting the results blocks the engine had to read as well as what it wrote
+        f"{preset}_processed_ratio_vs_plain": med["hf"] * (1 + inj / max(1, gen_total)) / med["plain"],
         f"{preset}_tool_events_per_rollout": events, f"{preset}_injected_tokens_per_rollout": inj / len(eps),
         f"{preset}_doc_tokens_min": min(doc_tokens), f"{preset}_doc_tokens_max": max(doc_tokens),
         f"{preset}_score_branch_s": statistics.median(times["branch"]),
