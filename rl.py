@@ -47,7 +47,7 @@ Where this departs from the papers:
 - mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
   split); the schedule advances once per RL step.
 - Entropy is estimated as the mean negative log-prob of the sampled tokens.
-- Episodes whose every token has advantage 0 add nothing to the loss when
+- Groups whose every token has advantage 0 add nothing to the loss when
   beta == 0 and are not scored at all.
 """
 from __future__ import annotations
@@ -133,7 +133,9 @@ class Config:
     tis_cap: float = 2.0  # truncated importance-sampling weight cap (sampler != trainer only)
     advantage: Literal["outcome", "turn"] = "outcome"  # turn: + per-step ToolMatch credit on call turns
     turn_credit: float = 1.0  # scale of that per-step credit
-    score_method: Literal["tree", "branch"] = "tree"  # tree: one forward per episode (sdpa/eager attention)
+    # group: one tree per group sharing its prompt; tree: one per episode (both need sdpa or eager
+    # attention); branch: plain padded sequences (any attention, e.g. Unsloth's)
+    score_method: Literal["group", "tree", "branch"] = "group"
     max_batch_tokens: int = 16384  # tokens per forward pass inside a micro-batch
     max_logprob_gap: float = 0.5  # abort when trainer and sampler log-probs differ by more (mean |.|, nats)
     save_every: int = 1  # steps between checkpoints (1: a kill loses at most the current step)
@@ -239,8 +241,29 @@ def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw
     return ppo_token_loss(logp, old_logp, adv, **kw)[0].sum() / (n_rollouts * max_new_tokens)
 
 
+def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, temperature: float = 1.0,
+                   max_batch_tokens: int = 16384) -> list[list[torch.Tensor]]:
+    """`rollout.episode_logprobs(method="tree")`, with each group of `group_size`
+    consecutive rollouts scored as one tree rooted at their shared prompt
+    (DESIGN.md section 4): the prompt is computed once per group, not once per
+    rollout. rollout.py builds such trees (`group_trees`) but episode_logprobs
+    scores one tree per episode, so this drives its tree scorer directly."""
+    dev = next(model.parameters()).device
+    out: list[list] = [[None] * len(ep.turns) for ep in episodes]
+    trees = []
+    for g in range(0, len(episodes), group_size):
+        (tree,) = rollout.group_trees(episodes[g:g + group_size])
+        tree.targets = [(g + e, ti, nodes) for e, ti, nodes in tree.targets]  # batch-wide episode indices
+        trees.append(tree)
+    for chunk in rollout._chunks(trees, max_batch_tokens, "tree"):
+        rollout._score_trees(model, chunk, out, temperature, dev)
+    return out
+
+
 def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperature: float) -> torch.Tensor:
     """(T,) log-probs of every generated token under its own context, differentiable."""
+    if cfg.score_method == "group":
+        return flat(group_logprobs(model, episodes, cfg.group_size, temperature, cfg.max_batch_tokens))
     return flat(rollout.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
                                          max_batch_tokens=cfg.max_batch_tokens))
 
@@ -280,7 +303,7 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     return train, held or [], how
 
 
-def plan_config(cfg: Config, batch: int) -> common.PlanConfig:
+def plan_config(cfg: Config, batch: int, share_prompt: bool) -> common.PlanConfig:
     """The memory planner's view of a run with `batch` groups in flight:
     completions of max_new_tokens plus the results blocks injected into them."""
     m = cfg.model
@@ -293,16 +316,17 @@ def plan_config(cfg: Config, batch: int) -> common.PlanConfig:
         prompt_len=cfg.data.max_prompt_tokens or cfg.plan.prompt_len,
         completion_len=cfg.sampling.max_new_tokens + cfg.plan.injected_tokens,
         gpu_memory_utilization=m.gpu_memory_utilization if cfg.sampling.backend == "vllm" else 0.0,
-        # each episode is scored as its own tree: the prompt is counted once per rollout
-        share_prompt=False)
+        share_prompt=share_prompt)
 
 
 def memory_plan(cfg: Config) -> common.MemoryPlan:
     """Rollout with every group of a step in flight, update one micro-batch of
     `micro_groups` groups at a time; a stage beside vLLM fits a card C when
     vLLM's needs fit u x C and the trainer's (1 - u) x C (common's rule)."""
-    roll = common.plan_memory(plan_config(cfg, cfg.prompts_per_step))
-    upd = common.plan_memory(plan_config(cfg, cfg.micro_groups))
+    # vLLM's prefix cache holds a group's prompt once; the hf engine expands it to G
+    # cache rows. Group scoring computes the prompt once per group; tree and branch per rollout.
+    roll = common.plan_memory(plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
+    upd = common.plan_memory(plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
     plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
                                vllm=roll.vllm, min_gpu_gb={}, fits={})
     u = plan.config.gpu_memory_utilization
@@ -510,8 +534,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         validate_masks(eps, tok)
         sampler_all = sampler_logprobs(eps)
         n_tokens = len(sampler_all)
-        keep = [i for i, (ep, a) in enumerate(zip(eps, turn_adv))
-                if cfg.beta > 0 or any(x != 0 for x, t in zip(a, ep.turns) if t.ids)]
+        keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
+                if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for x in a)
+                for i in range(g, g + G)]
         dev = next(model.parameters()).device
         batches = []
         for s in range(0, len(keep), cfg.micro_groups * G):

@@ -143,6 +143,16 @@ def test_a_delete_episodes_loss_covers_every_generated_token_once():
         assert torch.allclose(g, w, atol=1e-6)
 
 
+def test_group_scoring_equals_one_tree_per_episode():
+    model = tiny_llama(TOK, seed=0)
+    scripts = [DELETE_SCRIPT, 'Short one.<delete scope="sentence"/> Better.', "Acme grew.", DELETE_SCRIPT]
+    eps = scripted_rollout(model, scripts, [DOC, DOC[:300]], group=2)
+    per_episode = rl.flat(R.episode_logprobs(model, eps, method="tree"))
+    grouped = rl.flat(rl.group_logprobs(model, eps, group_size=2, max_batch_tokens=600))  # two chunks
+    assert grouped.shape == per_episode.shape and torch.allclose(grouped, per_episode, atol=1e-5)
+    assert torch.allclose(grouped, rl.sampler_logprobs(eps), atol=1e-4)
+
+
 def test_stops_end_turns_and_the_end_of_turn_token_is_trained_not_summarised():
     model = tiny_llama(TOK, seed=0)
     eps = scripted_rollout(model, [DELETE_SCRIPT, "Acme grew 12%."], [DOC, DOC[:300]])
