@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,14 @@ class Config:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | a checkpoint path
     seed: int = 0
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise common.ConfigError(f"group_size must be >= 2 (a group of one has no baseline), got {self.group_size}")
+        if min(self.prompts_per_step, self.micro_groups, self.mu) < 1:
+            raise common.ConfigError("prompts_per_step, micro_groups and mu must be >= 1")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0 and self.tis_cap > 0):
+            raise common.ConfigError("need 0 <= clip_low < 1, clip_high >= 0, beta >= 0, tis_cap > 0")
 
 
 # ---------------------------------------------------------------------------
@@ -295,6 +304,9 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
         train_ids, eval_ids = {e["id"] for e in pools["train"]}, {e["id"] for e in pools["eval"]}
         train = [d for d in docs if d.id in train_ids]
         held = [d for d in (held if held is not None else docs) if d.id in eval_ids]
+        if docs and not train:
+            raise SystemExit(f"no document of {cfg.train} is in the train pool of {cfg.split}: "
+                             "a split of other documents? (data.split='' uses them all)")
         how += f", split {cfg.split}"
     else:
         train = docs
@@ -363,8 +375,6 @@ def load_model(cfg: Config):
         key = "adapter_path" if (init / "adapter_config.json").exists() else "name_or_path"
         mcfg = dataclasses.replace(mcfg, **{key: str(init)})
     if mcfg.backend == "unsloth":
-        import os
-
         # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING);
         # the scoring path needs them. Read at forward time, so set before the first one.
         os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
