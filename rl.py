@@ -87,6 +87,7 @@ class EvalConfig:
     every: int = 25  # steps between held-out evaluations (0 = at the start and the end only)
     n_docs: int = 32  # held-out documents, greedy rollouts
     max_new_tokens: int = 160
+    factuality: str = ""  # backend of held-out scoring ("" = reward.factuality; e.g. oracle to check a lexical proxy)
     sample_every: int = 10  # steps between sample episodes written to samples.jsonl (0 = never)
     n_samples: int = 4  # episodes written each time
 
@@ -143,6 +144,7 @@ class Config:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | a checkpoint path
     seed: int = 0
+    torch_threads: int = 0  # CPU threads for torch (0 = its default)
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -447,6 +449,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
                          "(the api backend makes teacher episodes: data.teacher)")
     run = common.start_run(cfg)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     vllm = cfg.sampling.backend == "vllm"
@@ -474,7 +478,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         covered = sum(d.id in teacher for d in train_docs)
         how += f"; teacher episodes for {covered}/{len(train_docs)} training documents"
     print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
-    print(f"factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}" + (" (custom reward_fn)" if reward_fn else ""))
+    print(f"factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}" + (" (custom reward_fn)" if reward_fn else "")
+          + f"; held-out: {rewards.BACKEND_NAMES[cfg.eval.factuality or cfg.reward.factuality]}")
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params)
@@ -503,12 +508,14 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                                         lora_request=lora_request)
         return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
 
+    eval_reward = dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality or cfg.reward.factuality)
+
     def evaluate() -> dict:
         """Greedy rollouts on held-out documents, scored by the configured reward
         (pass at the first tau, so evaluations compare across the curriculum)."""
         ecfg = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
         eps = sample(eval_docs, 1, ecfg, torch.Generator().manual_seed(cfg.seed))
-        scores = rewards.score_batch(list(zip(eval_docs, eps)), cfg.reward)
+        scores = rewards.score_batch(list(zip(eval_docs, eps)), eval_reward)
         out = {f"eval_{k}": mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
         ts = sandbox.tool_stats(eps)
         out.update(eval_len=mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
