@@ -231,7 +231,7 @@ def test_replay_never_raises_and_summary_has_no_markup(text):
     assert S.Episode.from_json(ep.to_json()).to_dict() == ep.to_dict()
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(TEXTS, st.sampled_from(["vocab", "bpe"]), st.booleans())
 def test_token_level_invariants_on_random_outputs(text, which, whole):
     codec = VocabCodec() if which == "vocab" else S.Codec(bpe_tokenizer())
