@@ -19,8 +19,9 @@ One step (DESIGN.md sections 4, 5, 7):
    the group's mean step credit (see `turn_advantages`).
 4. Mask validation of every episode (trained positions decode to the turns'
    assistant text), then the update: PPO-clip on every generated token of every
-   branch, each token once, in the context it was sampled in
-   (`rollout.episode_logprobs`), summed and divided by the constant
+   branch, each token once, in the context it was sampled in (each group
+   scored as one tree rooted at its shared prompt, `group_logprobs`; or
+   `rollout.episode_logprobs` per episode), summed and divided by the constant
    n_rollouts x max_new_tokens (Dr. GRPO: no per-sequence length normalisation),
    plus beta x k3 KL to the reference policy, `mu` inner epochs against the
    old log-probs, truncated importance sampling when the sampler is not the
@@ -47,6 +48,10 @@ Where this departs from the papers:
 - mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
   split); the schedule advances once per RL step.
 - Entropy is estimated as the mean negative log-prob of the sampled tokens.
+- A guard beyond the SN15 catalog: every step compares the trainer's log-probs
+  of the sampled tokens with the sampler's and aborts, before updating, when
+  they differ by more than `max_logprob_gap` nats on average (dropout, a
+  template mismatch, or a scorer reading the wrong logits would all show here).
 - Groups whose every token has advantage 0 add nothing to the loss when
   beta == 0 and are not scored at all.
 """
