@@ -1017,6 +1017,29 @@ def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = 
     return model, tok
 
 
+def trained_model_config(path: str, base: ModelConfig | None = None) -> ModelConfig:
+    """The ModelConfig that loads a trained directory: full weights (an SFT or
+    distilled `final/`) load as the model; a PEFT adapter (an RL `final/`) loads
+    on top of the base its adapter_config.json names. `base` supplies the rest
+    (dtype, quantisation, attention)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such model directory")
+    base = base or ModelConfig()
+    adapter = p / "adapter_config.json"
+    if not adapter.exists():
+        return dataclasses.replace(base, name_or_path=str(p), adapter_path=None)
+    name = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    if not name:
+        raise ValueError(f"{adapter}: no base_model_name_or_path; cannot tell which model the adapter is for")
+    return dataclasses.replace(base, name_or_path=name, adapter_path=str(p))
+
+
+def load_trained(path: str, train: bool = False, base: ModelConfig | None = None, device_name: str | None = None):
+    """(model, tokenizer) from a trained directory (see `trained_model_config`)."""
+    return load_policy(trained_model_config(path, base), train=train, device_name=device_name)
+
+
 def _load_unsloth(cfg: ModelConfig, train: bool):
     """Unsloth's FastLanguageModel (argument names as in Unsloth's GRPO notebooks);
     with fast_inference its vLLM engine shares the weights (`model.fast_generate`)."""

@@ -147,6 +147,10 @@ class RewardConfig:
     factuality: Literal["fenice", "lexical", "oracle"] = "lexical"  # backend of F
     w_factuality: float = 0.7  # w_f
     w_rules: float = 0.3  # w_r
+    # F enters the total times the length rule's score. Every backend scores the claims a
+    # summary makes (precision), so a 5-word summary can score high; measured on the tiny
+    # CPU run, Dr. GRPO without this gate collapsed to 4-token summaries within 40 steps.
+    length_gate: bool = False
     rules: RuleConfig = field(default_factory=RuleConfig)
     lexical: LexicalConfig = field(default_factory=LexicalConfig)
     fenice: FeniceConfig = field(default_factory=FeniceConfig)
@@ -1691,7 +1695,8 @@ class Scorer:
             t_ep = teacher.get(_doc_id(doc, ep)) if teacher else None
             if t_ep is not None and s.episode is not None:
                 match, steps = tool_match(s.episode, t_ep, cfg.tools)
-            total = (cfg.w_factuality * f + cfg.w_rules * rmean - budget - cap
+            f_used = f * scores["length"] if cfg.length_gate else f
+            total = (cfg.w_factuality * f_used + cfg.w_rules * rmean - budget - cap
                      + cfg.tools.w_match * (match or 0.0))
             row = {"total": total, "pass": f >= tau and all(passed.values()), "tau": tau,
                    "factuality": f, "factuality_backend": BACKEND_NAMES[cfg.factuality],

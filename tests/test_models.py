@@ -206,6 +206,24 @@ def test_lora_trains_only_the_adapter_and_reference_is_the_base(tiny_dir):
         assert torch.equal(model(ids).logits, adapted)  # the adapter is back after the block
 
 
+def test_load_trained_reads_full_weights_or_an_adapter_on_its_base(tiny_dir, tmp_path):
+    model, tok = load_policy(_lora_cfg(tiny_dir), device_name="cpu")
+    _train_step(model, _ids())
+    model.save_pretrained(tmp_path / "adapter")
+    ids = _ids(seed=1)
+    with torch.no_grad():
+        want = model(ids).logits
+    back, _ = common.load_trained(str(tmp_path / "adapter"), device_name="cpu")
+    assert common.trained_model_config(str(tmp_path / "adapter")).name_or_path == str(tiny_dir)
+    assert not back.training and not any(p.requires_grad for p in back.parameters())
+    with torch.no_grad():
+        assert torch.allclose(back(ids).logits, want, atol=1e-6)
+    full, _ = common.load_trained(str(tiny_dir), device_name="cpu")
+    assert getattr(full, "peft_config", None) is None
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        common.load_trained(str(tmp_path / "nowhere"))
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
     grads = []
     for checkpointing in (False, True):

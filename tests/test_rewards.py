@@ -601,6 +601,16 @@ def test_pass_needs_factuality_at_tau_and_every_rule():
     assert not R.score(DOC, good, strict)["pass"]
 
 
+def test_length_gate_scales_factuality_by_the_length_score():
+    short = "Acme Corp. reported revenue."
+    plain = R.score(DOC, short)
+    gated = R.score(DOC, short, R.RewardConfig(length_gate=True))
+    assert 0 < plain["rule_length"] < 1 and gated["factuality"] == plain["factuality"] > 0
+    assert gated["total"] == pytest.approx(plain["total"] - 0.7 * plain["factuality"] * (1 - plain["rule_length"]))
+    good = "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier."
+    assert R.score(DOC, good, R.RewardConfig(length_gate=True))["total"] == pytest.approx(R.score(DOC, good)["total"])
+
+
 def test_delete_cap_lowers_the_reward():
     capped = sandbox.replay(DOC, "Acme Corp. reported revenue. " + '<delete scope="sentence"/>Acme. ' * 7)
     plain = sandbox.replay(DOC, "Acme Corp. reported revenue.")
