@@ -1,0 +1,566 @@
+"""Evaluate trained summarisers on held-out documents: quality, factuality, tool use, pass@k, speed.
+
+    python eval.py --config configs/eval_tiny.yaml                         # CPU: the tiny RL policy, ~1 min
+    python eval.py --config configs/eval_tiny.yaml model=runs/sft_tiny/final name=eval_sft
+    python eval.py --config configs/eval_tiny.yaml --compare runs/sft_tiny/final runs/rl_tiny/final
+    python eval.py --config configs/eval_tiny.yaml tools=none name=eval_no_tools   # decode-time ablation
+
+A model is a trained directory (`common.load_trained`): full weights (SFT's
+`final/`) or a PEFT adapter on top of the base its adapter_config.json names
+(RL's `final/`). Documents are the `eval` pool of the leak-cluster manifest
+(`data.py split`), in the order of the docs file, the first `n_docs`; the
+`never_touch` pool is evaluated only when `pool=never_touch` is asked for.
+With `--compare A B ...` every directory sees the same documents and seeds.
+
+Per model (greedy decoding, temperature 0, unless stated):
+- ROUGE-1/2/L F1 against the reference summary (rouge-score, Porter stemmer).
+- Factuality F from `reward.factuality` (oracle | lexical | fenice, named as
+  `rewards.BACKEND_NAMES` does), each rule's pass rate, pass (F >= tau and every
+  rule; tau is the curriculum's first, so runs compare), mean total reward.
+- Hallucination: a summary hallucinates when it makes at least one unsupported
+  claim. On the news world (documents with a fact table) the oracle decides,
+  whatever the reward backend: one error = one `data.oracle_errors` label (a
+  wrong entity, number, date, polarity or predicate, or a sentence no fact
+  supports). Elsewhere a claim is unsupported when the backend scores it below
+  `claim_tau` (lexical: summary sentences; FENICE: extracted claims), so the
+  rate depends on the backend and the report says which one counted.
+- Tool use: valid call rate (syntax), valid episode rate, searches and deletes
+  per summary, and (news world) the share of deletes whose retracted text held
+  an oracle error: the precision of the delete decision.
+- pass@k, k in 1, 2, 4, 8: the unbiased estimator 1 - C(n-c, k) / C(n, k) of
+  Chen et al. (2021) from `n_samples` rollouts per document at `temperature`,
+  averaged over documents. k > n is not estimable and reported as n/a.
+- Latency per summary (p50, p95, ms): wall clock of one document's whole
+  episode (tools included) at batch 1, over `latency_docs` documents, after one
+  untimed warm-up; tokens/s over the same episodes.
+Metrics that cannot be computed (no calls, no oracle, no references) are NaN:
+null in eval.json, "n/a" in the report.
+
+Ablation `tools=no_search | no_delete | none` bans the tags at decode time
+(`TagBan`, a `rollout.rollout` logits processor): the model is unchanged, it just
+cannot open the banned calls.
+
+Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR, "metrics": {...}}]
+in the order given, the config, the backends, the documents), report.md (one row per model, a column per metric,
+plus the training curves of runs that have a metrics.jsonl), PNG plots
+(metrics per model, training curves) and samples.html (greedy episodes in the
+spot-check viewer of filter_traces.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import common
+import rewards
+import rollout
+import sandbox
+
+TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
+                "none": ("<search", "</search", "<delete")}
+KS = (1, 2, 4, 8)
+
+
+@dataclass
+class Config:
+    name: str = "eval"  # run name: outputs go to runs_dir/name
+    runs_dir: str = "runs"
+    model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter); --compare overrides
+    base: common.ModelConfig = field(default_factory=common.ModelConfig)  # dtype/quant/attention for loading
+    docs: str = "out/newsworld/docs.jsonl"  # Document JSONL
+    split: str = "out/newsworld/split.json"  # leak-cluster manifest ("" = every document of `docs`)
+    pool: Literal["eval", "never_touch"] = "eval"  # never_touch only when explicitly asked for
+    n_docs: int = 32  # the first n documents of the pool
+    n_samples: int = 8  # sampled rollouts per document for pass@k
+    temperature: float = 1.0  # of those samples
+    max_new_tokens: int = 160  # per episode, all turns together
+    batch_size: int = 64  # rows decoded together
+    latency_docs: int = 16  # documents timed at batch 1 (0 = skip)
+    tools: Literal["all", "no_search", "no_delete", "none"] = "all"  # decode-time ablation
+    reward: rewards.RewardConfig = field(default_factory=lambda: rewards.RewardConfig(factuality="oracle"))
+    limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
+    claim_tau: float = 0.5  # without an oracle: a claim scored below this is unsupported
+    html_samples: int = 8  # greedy episodes per model in samples.html
+    seed: int = 0
+    torch_threads: int = 0  # CPU threads for torch (0 = its default)
+
+    def __post_init__(self):
+        if min(self.n_docs, self.n_samples, self.max_new_tokens, self.batch_size) < 1:
+            raise common.ConfigError("n_docs, n_samples, max_new_tokens and batch_size must be >= 1")
+        if self.latency_docs < 0 or self.temperature <= 0:
+            raise common.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces (distill.py and tests import these)
+# ---------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c pass: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021), the chance that k draws without replacement hold a pass."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def rouge(preds: list[str], refs: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F1 of prediction/reference pairs (rouge-score, stemmed); NaN without pairs."""
+    from rouge_score import rouge_scorer
+
+    keys = ("rouge1", "rouge2", "rougeL")
+    if len(preds) != len(refs):
+        raise ValueError(f"{len(preds)} predictions for {len(refs)} references")
+    if not preds:
+        return dict.fromkeys(keys, math.nan)
+    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=True)
+    scores = [scorer.score(r, p) for p, r in zip(preds, refs)]  # score(target, prediction)
+    return {k: float(np.mean([s[k].fmeasure for s in scores])) for k in keys}
+
+
+def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) -> tuple[list[int], list]:
+    """Unsupported claims per summary, and the oracle's error labels (None per
+    summary without an oracle). On the news world (every document has a fact
+    table) the oracle counts; otherwise the claims of `scores` (from
+    `rewards.score_batch`) that the backend scored below `cfg.claim_tau`."""
+    if all(getattr(d, "facts", None) for d in docs):
+        import data
+
+        oracle = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
+        errors = [s["claims"] if oracle else data.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
+        return [len(e) for e in errors], errors
+    counts = [sum(float(c.get("score", 1.0)) < cfg.claim_tau for c in s.get("claims") or []) for s in scores]
+    return counts, [None] * len(counts)
+
+
+def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list[bool]:
+    """For each delete of `ep` that retracted text: did that text hold an oracle error?
+
+    The retracted text is the tail of the summary's last sentence at the time
+    of the delete (the whole sentence, or its last clause). That summary is
+    rebuilt by replaying the output up to the delete tag; the sentence is
+    checked by the oracle, and the delete counts when an error span overlaps
+    the retracted tail."""
+    import data
+
+    out, before = [], ""
+    for t in ep.turns:
+        c = t.call
+        if c is not None and c.kind == "delete" and c.deleted:
+            summary = sandbox.replay(ep.document, before + t.text[:c.start], **(limits or {})).summary
+            sentences = sandbox.split_sentences(summary)
+            gone = " ".join(c.deleted.split())
+            last = sentences[-1] if sentences else gone
+            start = len(last) - len(gone) if last.endswith(gone) else 0
+            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in data.oracle_errors(doc, last)]
+            out.append(any(i >= 0 and i + n > start for i, n in spans))
+        before += t.text + t.injected
+    return out
+
+
+class TagBan:
+    """`rollout.rollout` logits processor that keeps banned tag openings out of the text.
+
+    A token is banned when, appended to what the row has written, it would
+    complete a banned opening (`<search`, `</search`, `<delete`) or extend a
+    started one to two or more of its characters: so `<` alone may still be
+    written, `<s` (in one token or two) may not, and neither may any token that
+    carries the whole opening. That depends only on how much of the opening the
+    text already ends with, so one vocabulary mask per (tag, progress) is
+    computed once and reused."""
+
+    def __init__(self, tokenizer, tags: Sequence[str]):
+        self.codec = sandbox.Codec(tokenizer)
+        self.n_tokens = len(tokenizer)
+        self.tags = tuple(tags)
+        self.tail_tokens = 2 * max((len(t) for t in self.tags), default=1)  # >= 1 character per token
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def banned(tag: str, written: str, piece: str) -> bool:
+        """Would writing `piece` after `written` complete or extend an opening of `tag`?"""
+        if not piece:
+            return False
+        text = written[-len(tag):] + piece
+        if tag in text[max(0, len(text) - len(piece) - len(tag) + 1):]:
+            return True
+        return any(text.endswith(tag[:m]) for m in range(2, len(tag)))
+
+    @staticmethod
+    def progress(tag: str, text: str) -> int:
+        """Length of the longest proper prefix of `tag` that `text` ends with."""
+        return next((j for j in range(len(tag) - 1, 0, -1) if text.endswith(tag[:j])), 0)
+
+    def mask(self, states: tuple[int, ...], vocab: int, device) -> torch.Tensor:
+        key = (states, vocab)
+        if key not in self._masks:
+            m = torch.zeros(vocab, dtype=torch.bool)
+            for tag, j in zip(self.tags, states):
+                sub = (tag, j, vocab)
+                if sub not in self._masks:
+                    self._masks[sub] = torch.tensor([i < self.n_tokens and self.banned(tag, tag[:j], self.codec.piece(i))
+                                                     for i in range(vocab)], dtype=torch.bool)
+                m |= self._masks[sub]
+            self._masks[key] = m
+        return self._masks[key].to(device)
+
+    def __call__(self, rows, logits: torch.Tensor) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            tail = "".join(self.codec.piece(t) for t in row.builder.context_ids()[-self.tail_tokens:])
+            states = tuple(self.progress(tag, tail) for tag in self.tags)
+            logits[i, self.mask(states, logits.shape[-1], logits.device)] = -math.inf
+        return logits
+
+
+def tool_processor(tokenizer, tools: str) -> TagBan | None:
+    """The decode-time ablation of `tools` (None when every tool is allowed)."""
+    return TagBan(tokenizer, TOOLS_BANNED[tools]) if TOOLS_BANNED[tools] else None
+
+
+def _mean(xs) -> float:
+    xs = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+# ---------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------
+
+
+def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: str) -> list[sandbox.Episode]:
+    """rollout.rollout over chunks of documents, with a progress bar."""
+    per = max(1, scfg.batch_size // group)
+    eps: list[sandbox.Episode] = []
+    for s in tqdm(range(0, len(docs), per), desc=what, unit="chunk", leave=False, disable=len(docs) <= per):
+        eps += rollout.rollout(model, tok, docs[s:s + per], group, scfg, limits, logits_processor=ban,
+                               generator=generator)
+    return eps
+
+
+def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None) -> dict:
+    """Every metric of one model on `documents`, as a flat dict of floats (NaN
+    where not computable). `keep`, if given, receives (document, greedy episode,
+    score, oracle errors or None) per document, for samples and inspection."""
+    docs = list(documents)
+    if not docs:
+        raise ValueError("no documents to evaluate")
+    limits = sandbox.Limits.make(**cfg.limits)
+    ban = tool_processor(tokenizer, cfg.tools)
+    news = all(getattr(d, "facts", None) for d in docs)
+    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
+    out: dict[str, float] = {}
+
+    # -- greedy: quality, factuality, hallucination, tool use ---------------
+    eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban, None, "greedy")
+    scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
+    pairs = [(e.summary, d.summary) for d, e in zip(docs, eps) if getattr(d, "summary", "")]
+    out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
+    for k in ("factuality", "pass", "total", "rules", "rules_pass"):
+        out[k] = _mean(float(s[k]) for s in scores)
+    for k in scores[0]:
+        if k.startswith("rule_") and k.endswith("_pass"):
+            out[k] = _mean(float(s[k]) for s in scores)
+    counts, errors = error_counts(docs, [e.summary for e in eps], scores, cfg)
+    out["hallucination_rate"] = _mean(c > 0 for c in counts)
+    out["errors_per_summary"] = _mean(counts)
+    ts = sandbox.tool_stats(eps)
+    out.update(valid_call_rate=ts["valid_call_rate"], valid_episode_rate=ts["valid_episode_rate"],
+               searches=ts["searches_per_episode"], deletes=ts["deletes_per_episode"])
+    hits = [h for d, e in zip(docs, eps) for h in deleted_errors(d, e, cfg.limits)] if news else []
+    out["deletes_removing_error"] = _mean(hits)
+    out["tau"] = float(scores[0]["tau"])
+    out["news_world"] = float(news)
+
+    # -- sampled: pass@k ------------------------------------------------------
+    n = cfg.n_samples
+    sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
+    gen = torch.Generator().manual_seed(cfg.seed)  # the same draws for every model compared
+    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}")
+    s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
+    passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))]
+    for k in KS:
+        out[f"pass_at_{k}"] = _mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
+    out["pass_sampled"] = _mean(float(s["pass"]) for s in s_scores)
+
+    # -- latency at batch 1 -----------------------------------------------------
+    one = dataclasses.replace(greedy, batch_size=1)
+    lat_docs = docs[:cfg.latency_docs]
+    times, tokens = [], 0
+    if lat_docs:
+        rollout.rollout(model, tokenizer, lat_docs[:1], 1, one, limits, logits_processor=ban)  # warm-up
+    for d in tqdm(lat_docs, desc="latency", unit="doc", leave=False):
+        t0 = time.perf_counter()
+        (ep,) = rollout.rollout(model, tokenizer, [d], 1, one, limits, logits_processor=ban)
+        times.append(time.perf_counter() - t0)
+        tokens += sum(len(t.ids) for t in ep.turns)
+    out["latency_p50_ms"] = float(np.percentile(times, 50) * 1e3) if times else math.nan
+    out["latency_p95_ms"] = float(np.percentile(times, 95) * 1e3) if times else math.nan
+    out["tok_s"] = tokens / sum(times) if times else math.nan
+    out["n_docs"] = float(len(docs))
+
+    if keep is not None:
+        keep += list(zip(docs, eps, scores, errors))
+    return out
+
+
+def missing_model_hint(path: str) -> str:
+    rl = any(part.startswith("rl") for part in Path(path).parts)
+    how = "python rl.py --config configs/tiny.yaml" if rl else "python sft.py --config configs/sft_tiny.yaml"
+    return (f"model directory {path} does not exist: train it first, e.g. `{how}` (SFT runs save "
+            "full weights in runs/NAME/final, RL runs an adapter)")
+
+
+def load_model(path: str, cfg: Config):
+    if not Path(path).is_dir():
+        raise SystemExit(missing_model_hint(path))
+    model, tok = common.load_trained(path, train=False, base=cfg.base)
+    model.eval()
+    return model, tok
+
+
+def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None) -> dict:
+    """Load a trained directory (`common.load_trained`, eval mode) and `evaluate` it."""
+    model, tok = load_model(path, cfg)
+    return evaluate(model, tok, documents, cfg, keep)
+
+
+def load_eval_documents(cfg: Config) -> list:
+    """The held-out documents: the `pool` of the split manifest, in the docs
+    file's order, the first `n_docs`; every one checked against the manifest's
+    content hash (a changed document is not the one the split froze)."""
+    import data
+
+    if not Path(cfg.docs).exists():
+        raise SystemExit(f"docs={cfg.docs}: no such file (write it with `python synth_traces.py --config "
+                         f"configs/synth_newsworld.yaml`, or `python data.py newsworld --n 1000 --seed 0 "
+                         f"--out {cfg.docs}`)")
+    docs = data.read_documents(cfg.docs)
+    if not cfg.split:
+        return docs[:cfg.n_docs]
+    if not Path(cfg.split).exists():
+        raise SystemExit(f"split={cfg.split}: no such file (make it with `python data.py split --docs {cfg.docs} "
+                         f"--out {cfg.split}`, or set split='' to use every document)")
+    manifest = json.loads(Path(cfg.split).read_text(encoding="utf-8"))
+    entries = {e["id"]: e for e in manifest.get("pools", {}).get(cfg.pool, [])}
+    held = [d for d in docs if d.id in entries][:cfg.n_docs]
+    if not held:
+        raise SystemExit(f"no document of {cfg.docs} is in the {cfg.pool!r} pool of {cfg.split}: "
+                         "a split of other documents?")
+    for d in held:
+        if data.content_hash(d.text) != entries[d.id]["sha256"]:
+            raise SystemExit(f"document {d.id} of {cfg.docs} changed since {cfg.split} was frozen")
+    return held
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+TABLES = {
+    "Quality": ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "total", "hallucination_rate",
+                "errors_per_summary"],
+    "Tools": ["valid_call_rate", "valid_episode_rate", "searches", "deletes", "deletes_removing_error"],
+    "pass@k": [f"pass_at_{k}" for k in KS] + ["pass_sampled"],
+    "Speed": ["latency_p50_ms", "latency_p95_ms", "tok_s"],
+}
+BARS = ["rouge1", "rougeL", "factuality", "pass", "hallucination_rate", "valid_episode_rate", "pass_at_8"]
+CURVE_KEYS = ["reward", "pass", "eval_pass", "eval_factuality", "loss", "eval_loss", "sample_factuality",
+              "sample_pass"]
+
+
+def fmt(v) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def table(results: dict[str, dict], keys: list[str]) -> str:
+    rows = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    rows += [f"| {name} | " + " | ".join(fmt(m.get(k, math.nan)) for k in keys) + " |" for name, m in results.items()]
+    return "\n".join(rows)
+
+
+def run_dir_of(path: str) -> Path | None:
+    """The training run a model directory belongs to: the nearest ancestor (up to
+    three levels: final/, checkpoints/step_N/model/) holding a metrics.jsonl."""
+    for parent in list(Path(path).parents)[:3]:
+        if (parent / "metrics.jsonl").exists():
+            return parent
+    return None
+
+
+def _plot_curves(run: Path, out: Path) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    records = common.read_metrics(run / "metrics.jsonl")
+    keys = [k for k in CURVE_KEYS if any(isinstance(r.get(k), (int, float)) for r in records)]
+    if not keys:
+        return []
+    fig, axes = plt.subplots(len(keys), 1, figsize=(6, 2 * len(keys)), sharex=True, squeeze=False)
+    for ax, k in zip(axes[:, 0], keys):
+        pts = [(r["step"], r[k]) for r in records if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 30 else None)
+        ax.set_ylabel(k)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(str(run))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return keys
+
+
+def _plot_bars(results: dict[str, dict], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    x = np.arange(len(BARS))
+    w = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(BARS)), 3.5))
+    for i, name in enumerate(names):
+        vals = [results[name].get(k, math.nan) for k in BARS]
+        ax.bar(x + i * w, [0 if not math.isfinite(v) else v for v in vals], w, label=name)
+    ax.set_xticks(x + w * (len(names) - 1) / 2, BARS, rotation=20)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir, results: dict[str, dict], cfg: Config, curves_from: list) -> None:
+    """report.md with one table row per model per metric group, metrics.png, and a
+    training curves section (curves_<run>.png) for each run in `curves_from`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run_dir = Path(run_dir)
+    backend = rewards.BACKEND_NAMES[cfg.reward.factuality]
+    first = next(iter(results.values()), {})
+    n_docs = int(first.get("n_docs", 0))
+    lines = [f"# Evaluation: {cfg.name}", "",
+             f"{n_docs} documents ({cfg.pool} pool of {cfg.split or cfg.docs}), tools={cfg.tools}, "
+             f"greedy unless stated; pass@k from {cfg.n_samples} samples per document at T={cfg.temperature}.",
+             f"Factuality backend: {backend}; tau {fmt(first.get('tau', math.nan))}. "
+             f"Hallucination counted by: {hallucination_source(cfg, first)}.", ""]
+    rules = sorted({k for m in results.values() for k in m if k.startswith("rule_") and k.endswith("_pass")})
+    for title, keys in [*TABLES.items(), ("Rules (pass rate)", rules)]:
+        lines += [f"## {title}", "", table(results, keys), ""]
+    _plot_bars(results, run_dir / "metrics.png")
+    lines += ["![metrics per model](metrics.png)", ""]
+    curves = []
+    for run in curves_from:
+        run = Path(run)
+        png = f"curves_{run.name}.png"
+        keys = _plot_curves(run, run_dir / png)
+        if keys:
+            curves.append(f"### {run}\n\n{', '.join(keys)} per step.\n\n![{run.name}]({png})\n")
+    if curves:
+        lines += ["## Training curves", "", *curves]
+    common.atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")
+
+
+def hallucination_source(cfg: Config, metrics: dict) -> str:
+    if metrics.get("news_world"):
+        return "the news world's oracle (fact table)"
+    return f"{rewards.BACKEND_NAMES[cfg.reward.factuality]} claims scored below {cfg.claim_tau}"
+
+
+def write_samples(run_dir, kept: dict[str, list], n: int) -> None:
+    """samples.html: the first `n` greedy episodes of each model, oracle errors marked."""
+    import filter_traces
+
+    samples = []
+    for name, items in kept.items():
+        for doc, ep, score, errors in items[:n]:
+            ep.meta["trace_kind"] = f"{name} | F {score['factuality']:.2f} | pass {bool(score['pass'])}"
+            ep.meta["id"] = f"{name}:{doc.id}"
+            samples.append((ep, None if errors is None else [f"{e['type']}: {e['error_span']}" for e in errors]))
+    common.atomic_write_text(Path(run_dir) / "samples.html", filter_traces.render_html(samples, "eval samples"))
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without `--compare DIR ...`, the directories): the config loader takes
+    bare flags only, so the directories after --compare are taken out first."""
+    rest, dirs, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--compare":
+            i += 1
+            while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
+                dirs.append(argv[i])
+                i += 1
+            if not dirs:
+                raise common.ConfigError("--compare needs one or more model directories")
+            continue
+        rest.append(argv[i])
+        i += 1
+    return rest, dirs
+
+
+def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
+    """Evaluate `cfg.model`, or every directory of `compare`, and write the run's outputs."""
+    paths = list(compare) or [cfg.model]
+    for p in paths:
+        if not Path(p).is_dir():
+            raise SystemExit(missing_model_hint(p))
+    docs = load_eval_documents(cfg)
+    run = common.start_run(cfg)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    if cfg.pool != "eval":
+        print(f"warning: evaluating the {cfg.pool!r} pool, reserved for the final measurement")
+    backend = rewards.BACKEND_NAMES[cfg.reward.factuality]
+    news = all(getattr(d, "facts", None) for d in docs)
+    print(f"data: {len(docs)} documents ({cfg.pool} pool of {cfg.split or cfg.docs}); factuality: {backend}; "
+          f"tools: {cfg.tools}")
+    results, kept = {}, {}
+    for p in paths:
+        common.seed_everything(cfg.seed)
+        t0 = time.perf_counter()
+        kept[p] = []
+        results[p] = m = evaluate_dir(p, docs, cfg, kept[p])
+        print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in ("rouge1", "factuality", "pass", "hallucination_rate",
+                                                                 "valid_call_rate", "pass_at_8", "latency_p50_ms"))
+              + f" | {time.perf_counter() - t0:.1f}s")
+    curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
+    common.atomic_write_text(run.dir / "eval.json", json.dumps(_jsonable({
+        "config": common.config_to_dict(cfg), "factuality_backend": backend,
+        "models": [{"model": p, "metrics": m} for p, m in results.items()],
+        "hallucination_source": hallucination_source(cfg, {"news_world": news}), "n_docs": len(docs),
+        "doc_ids": [d.id for d in docs], "pool": cfg.pool, "curves_from": [str(c) for c in curves],
+    }), indent=1, allow_nan=False) + "\n")
+    write_report(run.dir, results, cfg, curves)
+    write_samples(run.dir, kept, cfg.html_samples)
+    print(f"wrote {run.dir}/eval.json, report.md, metrics.png, samples.html")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        _argv, _compare = split_compare(sys.argv[1:])
+        _cfg, _ = common.parse_args(Config, _argv, flags=("--compare",))
+    except common.ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    main(_cfg, _compare)
