@@ -1,0 +1,311 @@
+"""eval.py: pass@k against enumeration, hallucination and delete counting on the
+news world, ROUGE wiring, the decode-time tag ban against a policy forced to
+write the tags, and the script end to end (one model, --compare, bad input)."""
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import data
+import eval as E
+import rewards
+import rollout as R
+import sandbox as S
+from helpers import DOC, bpe_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = bpe_tokenizer()
+REQUIRED = ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "total", "hallucination_rate", "errors_per_summary",
+            "valid_call_rate", "valid_episode_rate", "searches", "deletes", "deletes_removing_error", "pass_at_1",
+            "pass_at_2", "pass_at_4", "pass_at_8", "latency_p50_ms", "latency_p95_ms", "tok_s",
+            *[f"rule_{r}_pass" for r in rewards.RULES]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------
+# pass@k
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (8, 0, 1, 0.0), (8, 0, 8, 0.0), (8, 8, 1, 1.0), (8, 8, 8, 1.0),
+    (4, 1, 2, 0.5),    # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (4, 1, 1, 0.25),   # pass@1 is c/n
+    (8, 5, 4, 1.0),    # k > n - c: every draw of 4 holds a pass
+    (5, 2, 4, 1.0),
+])
+def test_pass_at_k_by_hand(n, c, k, expected):
+    assert E.pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_equals_enumeration_over_subsets():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert E.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError):
+        E.pass_at_k(n, c, k)
+
+
+# ---------------------------------------------------------------------------
+# ROUGE, hallucinations, deletes
+# ---------------------------------------------------------------------------
+
+
+def test_rouge_identical_disjoint_and_empty():
+    same = E.rouge(["Acme reported revenue of $4.2 billion."], ["Acme reported revenue of $4.2 billion."])
+    assert same == pytest.approx({"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0})
+    assert E.rouge(["alpha beta gamma"], ["delta epsilon zeta"]) == pytest.approx(
+        {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0})
+    half = E.rouge(["alpha beta gamma", "x"], ["alpha beta gamma", "y"])  # a mean over pairs
+    assert half["rouge1"] == pytest.approx(0.5)
+    assert E.rouge(["reported"], ["reports"])["rouge1"] == 1.0  # stemmed
+    assert all(math.isnan(v) for v in E.rouge([], []).values())
+
+
+def _swap_number(doc: data.Document) -> str:
+    """The reference summary with the first digit of one stated fact value changed."""
+    value = next(f["value"] for f in doc.facts if f.get("value") and f["value"] in doc.summary)
+    m = re.search(r"\d", value)
+    wrong = value[:m.start()] + str(int(m.group()) % 9 + 1) + value[m.end():]
+    return doc.summary.replace(value, wrong, 1)
+
+
+@pytest.mark.parametrize("backend", ["oracle", "lexical"])
+def test_hallucinations_counted_by_the_oracle_on_the_news_world(backend):
+    docs = list(data.newsworld(4, seed=3))
+    summaries = [d.summary for d in docs] + [_swap_number(d) for d in docs]
+    docs2 = docs + docs
+    cfg = E.Config(reward=rewards.RewardConfig(factuality=backend))
+    scores = rewards.score_batch(list(zip(docs2, summaries)), cfg.reward)
+    counts, errors = E.error_counts(docs2, summaries, scores, cfg)
+    assert counts == [0] * 4 + [1] * 4  # whatever the reward backend, the oracle counts
+    assert all(e[0]["type"] == "number_change" for e in errors[4:])
+
+
+def test_hallucinations_without_an_oracle_use_the_backend_claims():
+    doc = data.Document(id="acme", text=DOC)  # no fact table
+    summaries = ["Acme Corp. reported revenue of $4.2 billion.",
+                 "Acme Corp. reported revenue of $4.2 billion. Globex bought Initech for $9 trillion in Paris."]
+    cfg = E.Config(reward=rewards.RewardConfig(factuality="lexical"))
+    scores = rewards.score_batch([(doc, s) for s in summaries], cfg.reward)
+    counts, errors = E.error_counts([doc, doc], summaries, scores, cfg)
+    assert counts == [0, 1] and errors == [None, None]
+
+
+def test_deletes_that_removed_an_error():
+    doc = next(iter(data.newsworld(1, seed=0)))
+    first, second = S.split_sentences(doc.summary)[:2]
+    wrong = S.split_sentences(_swap_number(doc))[0]
+    assert wrong != first
+    text = (f'{wrong}<search>/funding/</search><delete scope="sentence"/> {first} {second}'
+            f'<delete scope="sentence"/> {second}')
+    ep = S.replay(doc.text, text)
+    assert [c.deleted for c in ep.calls if c.kind == "delete"] == [wrong, second]
+    assert E.deleted_errors(doc, ep) == [True, False]  # the wrong sentence, then a correct one
+
+
+# ---------------------------------------------------------------------------
+# The tag ban
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tag, written, piece, banned", [
+    ("<search", "", "<search>", True),
+    ("<search", "", "x <search", True),      # the whole opening inside one token
+    ("<search", "", "<s", True),             # starts it beyond "<"
+    ("<search", "", "<", False),             # "<" alone is still text
+    ("<search", "<", "s", True),             # continues it across tokens
+    ("<search", "<", "b", False),
+    ("<search", "<se", "a", True),           # any continuation of a started opening
+    ("<search", "", "<sx", False),           # broken inside the token
+    ("</search", "", "</", True),
+    ("<delete", "the", ' <delete scope="sentence"/>', True),
+    ("<delete", "", "", False),
+])
+def test_tag_ban_rule(tag, written, piece, banned):
+    assert E.TagBan.banned(tag, written, piece) is banned
+
+
+def _char_ids(text: str) -> list[int]:
+    """One token per character: a tag forced to span many tokens."""
+    ids = [TOK.encode(c, add_special_tokens=False) for c in text]
+    assert all(len(i) == 1 for i in ids)
+    return [i[0] for i in ids]
+
+
+WRITE = ' Acme grew.<search>Acme</search> Acme fell.<delete scope="sentence"/> Acme rose.'
+
+
+@pytest.mark.parametrize("tokens", ["chars", "bpe"])
+def test_tag_ban_stops_a_policy_forced_to_write_tags(tokens):
+    model = tiny_llama(TOK, seed=1).eval()
+    script = (_char_ids(WRITE) if tokens == "chars" else
+              R.ScriptedProcessor.ids_for(lambda s: TOK.encode(s, add_special_tokens=False), WRITE))
+    if tokens == "bpe":
+        assert len(script) < len(WRITE)  # the tags really are merged tokens here
+    force = R.ScriptedProcessor({i: script for i in range(4)})
+    cfg = R.SamplingConfig(temperature=1.0, max_new_tokens=len(script) + 4, seed=0)
+    docs = [DOC, DOC]
+
+    def run(tools):
+        ban = E.tool_processor(TOK, tools)
+        proc = force if ban is None else (lambda rows, logits: ban(rows, force(rows, logits)))
+        return R.rollout(model, TOK, docs, 2, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
+
+    free = run("all")  # the forcing works: every episode searches and deletes
+    assert all(e.n_search == 1 and e.n_delete == 1 for e in free)
+    for tools, kinds in [("none", set()), ("no_search", {"delete"}), ("no_delete", {"search"})]:
+        eps = run(tools)
+        for e in eps:
+            written = "".join(t.text for t in e.turns)
+            assert {c.kind for c in e.calls} == kinds, (tools, written)
+            for tag in E.TOOLS_BANNED[tools]:
+                assert tag not in written, (tools, written)
+
+
+def test_tag_ban_under_evaluate_with_tools_none():
+    model = tiny_llama(TOK, seed=2).eval()
+    docs = [data.Document(id="acme", text=DOC)]
+    cfg = E.Config(tools="none", n_samples=2, max_new_tokens=12, latency_docs=1,
+                   reward=rewards.RewardConfig(factuality="lexical"))
+    keep = []
+    m = E.evaluate(model, TOK, docs, cfg, keep)
+    assert m["searches"] == 0 and m["deletes"] == 0 and math.isnan(m["valid_call_rate"])
+    assert math.isnan(m["rouge1"]) and math.isnan(m["deletes_removing_error"])  # no reference, no oracle
+    assert math.isnan(m["pass_at_4"]) and 0 <= m["pass_at_2"] <= 1
+    assert set(REQUIRED) <= set(m) and len(keep) == 1 and keep[0][3] is None
+
+
+# ---------------------------------------------------------------------------
+# The script end to end
+# ---------------------------------------------------------------------------
+
+
+def _save_model(path: Path, seed: int) -> str:
+    model = tiny_llama(TOK, seed=seed)
+    model.save_pretrained(path)
+    TOK.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny model directory and twenty news-world documents with a split."""
+    root = tmp_path_factory.mktemp("eval")
+    docs = list(data.newsworld(20, seed=5))
+    data.write_jsonl(str(root / "docs.jsonl"), docs)
+    manifest = data.make_split(docs, (0.5, 0.3, 0.2))
+    assert manifest["counts"]["eval"] >= 3
+    (root / "split.json").write_text(json.dumps(manifest))
+    cfg = (f"runs_dir: {root / 'runs'}\nmodel: {_save_model(root / 'model_a', 0)}\ndocs: {root / 'docs.jsonl'}\n"
+           f"split: {root / 'split.json'}\nn_docs: 3\nn_samples: 2\nmax_new_tokens: 24\nlatency_docs: 2\n"
+           "html_samples: 2\ntorch_threads: 1\nreward:\n  factuality: oracle\n")
+    (root / "eval.yaml").write_text(cfg)
+    return root, manifest
+
+
+def test_main_writes_every_metric_report_plots_and_samples(world):
+    root, manifest = world
+    cfg = common.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=one"])
+    E.main(cfg)
+    out = root / "runs" / "one"
+    got = json.loads((out / "eval.json").read_text())
+    assert [x["model"] for x in got["models"]] == [cfg.model]
+    m = got["models"][0]["metrics"]
+    assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
+    eval_ids = [e["id"] for e in manifest["pools"]["eval"]]
+    assert got["doc_ids"] == [d.id for d in data.read_documents(str(root / "docs.jsonl")) if d.id in eval_ids][:3]
+    assert got["n_docs"] == 3 and got["factuality_backend"] == rewards.BACKEND_NAMES["oracle"]
+    assert m["pass_at_4"] is None and m["pass_at_8"] is None  # k > n_samples: n/a, not a number
+    assert m["pass_at_1"] == pytest.approx(m["pass_sampled"])  # unbiased pass@1 is the sampled pass rate
+    assert 0 <= m["hallucination_rate"] <= 1 and m["latency_p95_ms"] >= m["latency_p50_ms"] > 0
+    report = (out / "report.md").read_text()
+    assert "| model | rouge1 |" in report and "n/a" in report and rewards.BACKEND_NAMES["oracle"] in report
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (out / "samples.html").read_text()
+    assert html.count("class='trace'") == 2  # html_samples per model
+    assert html.count("clean (oracle)") + html.count("class='noise'") == 2  # each marked by the oracle
+
+
+def test_compare_evaluates_each_directory_on_the_same_documents_and_seeds(world):
+    root, _ = world
+    a = str(root / "model_a")
+    b = _save_model(root / "model_b", 1)
+    c = str(root / "model_a_copy")
+    shutil.copytree(a, c, dirs_exist_ok=True)
+    proc = subprocess.run([sys.executable, "eval.py", "--config", str(root / "eval.yaml"), "name=cmp", "latency_docs=1",
+                           "--compare", a, b, c], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((root / "runs" / "cmp" / "eval.json").read_text())
+    assert [x["model"] for x in got["models"]] == [a, b, c]
+    ma, mc = got["models"][0]["metrics"], got["models"][2]["metrics"]
+    for k in REQUIRED:
+        if not k.startswith(("latency", "tok_s")):
+            assert ma[k] == mc[k], k  # same weights, same documents and seeds: same numbers
+    report = (root / "runs" / "cmp" / "report.md").read_text()
+    quality = report.split("## Quality")[1].split("##")[0]
+    assert all(f"| {p} |" in quality for p in (a, b, c))  # one table, a row per model
+
+
+def test_shipped_config():
+    cfg = common.load_config(E.Config, ["--config", str(ROOT / "configs" / "eval_tiny.yaml")])
+    assert (cfg.model, cfg.docs, cfg.split, cfg.pool) == (
+        "runs/rl_tiny/final", "out/newsworld/docs.jsonl", "out/newsworld/split.json", "eval")
+    assert (cfg.reward.factuality, cfg.n_docs, cfg.n_samples, cfg.max_new_tokens, cfg.latency_docs,
+            cfg.torch_threads) == ("oracle", 32, 8, 160, 16, 1)
+
+
+def test_split_compare_takes_the_directories_out():
+    assert E.split_compare(["--config", "x.yaml", "--compare", "A", "B", "n_docs=3"]) == (
+        ["--config", "x.yaml", "n_docs=3"], ["A", "B"])
+    with pytest.raises(common.ConfigError, match="--compare needs"):
+        E.split_compare(["--compare", "--config", "x.yaml"])
+
+
+def test_bad_input_names_the_path_and_the_command(world, tmp_path):
+    root, _ = world
+    base = ["--config", str(root / "eval.yaml"), f"runs_dir={tmp_path}"]
+    missing = tmp_path / "runs" / "sft_nope" / "final"
+    with pytest.raises(SystemExit, match=re.escape(str(missing)) + ".*sft.py --config configs/sft_tiny.yaml"):
+        E.main(common.load_config(E.Config, [*base, f"model={missing}"]))
+    with pytest.raises(SystemExit, match="rl.py --config"):
+        E.main(common.load_config(E.Config, [*base, "model=runs/rl_nope/final"]))
+    with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.jsonl")) + ".*data.py newsworld"):
+        E.main(common.load_config(E.Config, [*base, f"docs={tmp_path / 'no.jsonl'}"]))
+    with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.json")) + ".*data.py split"):
+        E.main(common.load_config(E.Config, [*base, f"split={tmp_path / 'no.json'}"]))
+    with pytest.raises(SystemExit, match="never_touch"):  # an empty pool is an error, not an empty table
+        E.main(common.load_config(E.Config, [*base, "pool=never_touch", f"split={_empty_pool(root, tmp_path)}"]))
+
+
+def _empty_pool(root: Path, tmp_path: Path) -> str:
+    manifest = json.loads((root / "split.json").read_text())
+    manifest["pools"]["never_touch"] = []
+    path = tmp_path / "split_empty.json"
+    path.write_text(json.dumps(manifest))
+    return str(path)
