@@ -240,12 +240,14 @@ def _mean(xs) -> float:
 
 
 def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: str) -> list[sandbox.Episode]:
-    """rollout.rollout over chunks of documents, with a progress bar."""
+    """rollout.rollout over chunks of documents (one batch each), with a progress bar."""
     per = max(1, scfg.batch_size // group)
     eps: list[sandbox.Episode] = []
-    for s in tqdm(range(0, len(docs), per), desc=what, unit="chunk", leave=False, disable=len(docs) <= per):
-        eps += rollout.rollout(model, tok, docs[s:s + per], group, scfg, limits, logits_processor=ban,
-                               generator=generator)
+    with tqdm(total=len(docs), desc=what, unit="doc", leave=False) as bar:
+        for s in range(0, len(docs), per):
+            eps += rollout.rollout(model, tok, docs[s:s + per], group, scfg, limits, logits_processor=ban,
+                                   generator=generator)
+            bar.update(len(docs[s:s + per]))
     return eps
 
 
