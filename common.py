@@ -747,6 +747,9 @@ TINY_FORMAT = 1            # bump when the build changes, so old directories are
 TINY_PRESETS: dict[str, dict[str, int]] = {
     "tiny-1m": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=4, intermediate_size=512),
+    # a distillation student of tiny-1m (distill.py): half its width, the same depth
+    "tiny-0.3m": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=256),
     "tiny-8m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=2, intermediate_size=1024),
     "tiny-30m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -1,0 +1,518 @@
+"""Distil a trained tool-using policy into a smaller, faster summariser.
+
+    python distill.py --config configs/distill_tiny.yaml      # CPU: the tiny RL policy -> a 0.3M student, ~2 min
+    python distill.py --config configs/distill_tiny.yaml teacher=runs/sft_tiny/final name=distill_sft
+    python distill.py --config configs/distill_tiny.yaml target=both kd.weight=0   # CE only
+
+1. The teacher (a trained directory: full weights, or a PEFT adapter on top of
+   the base its adapter_config.json names, `common.load_trained`) writes
+   `generate.samples_per_doc` episodes per training document with the tool
+   sandbox in the loop (`rollout.rollout`). `generate.filter` keeps the clean
+   ones (valid tool use, not truncated, a non-empty summary), optionally only
+   those that pass the reward or reach `generate.min_factuality`
+   (`rewards.score_batch`). They are cached in the run directory, so a resumed
+   run trains on the same episodes without sampling again.
+2. Targets (`target`): `summary`, one single-turn episode per teacher episode
+   whose only turn is its final summary (the tool trace hidden, tokenised
+   canonically, `sandbox.Episode.tokenized`); `episode`, the teacher's episodes
+   themselves, trained as their branches like SFT (DESIGN.md section 4); `both`.
+3. The student (a tiny preset built from scratch over the teacher's tokenizer,
+   or an HF id / path) learns them with cross-entropy on every generated token
+   (`sft.sequence_loss`), plus token-level knowledge distillation when student
+   and teacher share a vocabulary: loss = (1 - w) CE + w T^2 KL(p_T || q_T) on
+   the generated positions, p_T and q_T the teacher's and student's softmax at
+   temperature T. With different vocabularies the logits do not correspond: CE
+   only, and the log says so.
+4. `compare`: teacher and student, loaded from their directories, go through
+   `eval.evaluate` on the same held-out documents (the split's eval pool):
+   latency per summary at batch 1 (wall clock of the whole episode, the
+   sandbox answering any tool call), greedy factuality (`eval.factuality`,
+   oracle on the news world), hallucination rate, ROUGE, tool use. Both metric
+   sets and the ratios go to runs/NAME/distill.json. The target on the news
+   world: >= 3x faster at p50, factuality within 2 points.
+
+Outputs: runs/NAME/ with config.yaml, metrics.jsonl, teacher_episodes.jsonl,
+checkpoints (`resume=auto` continues exactly, as in sft.py), final/ (the full
+student weights and tokenizer) and distill.json.
+
+Departures from the usual recipe (Hinton et al. 2015; MiniLLM/GKD use the
+student's own samples, we use the teacher's): the KL is on the teacher's
+sequences, i.e. sequence-level KD plus token-level KD on the same tokens. For
+the `summary` target the teacher is scored on the summary-only context, a
+context it did not write in (it wrote with tool blocks in between); its
+distribution there is still a soft target for the same tokens. The loss is the
+mean over the step's generated tokens (sft.py's normalisation), KD included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import common
+import eval as evaluation  # shadows the builtin in this namespace only
+import rewards
+import rl
+import rollout
+import sandbox
+import sft
+
+
+@dataclass
+class DataConfig:
+    docs: str = "out/newsworld/docs.jsonl"  # Document JSONL (fact tables for the oracle)
+    split: str = "out/newsworld/split.json"  # leak-cluster manifest: train pool generates, eval pool evaluates
+    max_train_docs: int = 256  # training documents the teacher writes for (0 = the whole train pool)
+    max_tokens: int = 2048  # longest branch (prompt included); longer targets are skipped and counted
+
+
+@dataclass
+class GenerateConfig:
+    temperature: float = 1.0  # teacher sampling temperature (0 = greedy)
+    samples_per_doc: int = 2  # teacher episodes per training document
+    max_new_tokens: int = 160  # generated tokens per episode, all turns together
+    batch_size: int = 32  # rows decoded together
+    # clean: valid tool use, not truncated, non-empty summary; pass / factuality: clean and
+    # the reward passes / factuality >= min_factuality (scored with `reward`); none: non-empty summary
+    filter: Literal["none", "clean", "pass", "factuality"] = "clean"
+    min_factuality: float = 0.5
+
+
+@dataclass
+class KDConfig:
+    weight: float = 0.5  # w in (1 - w) CE + w T^2 KL; 0 = cross-entropy only
+    temperature: float = 2.0  # T, applied to both teacher and student logits
+
+
+@dataclass
+class EvalConfig:
+    n_docs: int = 32  # held-out documents (eval pool of the split) for the comparison; 0 = none
+    latency_docs: int = 16  # of those, timed one at a time (batch 1)
+    n_samples: int = 1  # sampled rollouts per document (eval.py's pass@k; 1 keeps it cheap)
+    max_new_tokens: int = 160
+    factuality: Literal["fenice", "lexical", "oracle"] = "oracle"  # backend of the reported factuality
+
+
+@dataclass
+class Config:
+    name: str = "distill"  # run name: outputs go to runs_dir/name
+    runs_dir: str = "runs"
+    teacher: str = "runs/rl_tiny/final"  # a trained directory: full weights or a PEFT adapter
+    # the student: a tiny preset (built from scratch over the teacher's tokenizer), an HF id or a path
+    student: common.ModelConfig = field(default_factory=lambda: common.ModelConfig(
+        name_or_path="tiny-0.3m", lora=common.LoraConfig(enabled=False)))
+    target: Literal["summary", "episode", "both"] = "summary"
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    kd: KDConfig = field(default_factory=KDConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)  # for generate.filter
+    limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
+    steps: int = 300  # optimizer steps
+    batch_episodes: int = 16  # episodes per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_batch_tokens: int = 16384  # tokens per forward pass inside a micro-batch
+    bucket_window: int = 8  # micro-batches sorted by length together
+    log_every: int = 10  # steps between step lines
+    save_every: int = 100  # steps between checkpoints
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | none | a checkpoint path
+    mask_check: int = 64  # targets validated before the first step
+    seed: int = 0
+    torch_threads: int = 0  # CPU threads for torch (0 = its default)
+
+    def __post_init__(self):
+        if not 0.0 <= self.kd.weight <= 1.0 or self.kd.temperature <= 0:
+            raise common.ConfigError("kd.weight must be in [0, 1] and kd.temperature > 0")
+        if min(self.steps, self.batch_episodes, self.grad_accum, self.generate.samples_per_doc) < 1:
+            raise common.ConfigError("steps, batch_episodes, grad_accum and generate.samples_per_doc must be >= 1")
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces (tests import these)
+# ---------------------------------------------------------------------------
+
+
+def summary_episode(ep: sandbox.Episode) -> sandbox.Episode:
+    """A text-only episode whose only turn is `ep`'s final summary: the tool
+    trace hidden. `.tokenized(tok)` gives its canonical ids (chat prompt, the
+    summary encoded on its own, end-of-turn), the loss on exactly those."""
+    return sandbox.Episode(ep.document, [sandbox.Turn(ep.summary)], summary=ep.summary, doc_id=ep.doc_id,
+                           meta={**ep.meta, "target": "summary"})
+
+
+def text_only(ep: sandbox.Episode) -> sandbox.Episode:
+    """`ep` without token ids, to be tokenised canonically by another tokenizer."""
+    turns = [sandbox.Turn(t.text, t.call, t.injected, t.ended) for t in ep.turns]
+    return sandbox.Episode(ep.document, turns, None, ep.summary, dict(ep.flags), ep.doc_id, dict(ep.meta))
+
+
+def make_targets(episodes: Sequence[sandbox.Episode], target: str, same_vocab: bool) -> list[sandbox.Episode]:
+    """Training episodes for the student (not yet tokenised where text-only).
+    Full episodes keep the teacher's sampled ids when the vocabularies match."""
+    out = []
+    for ep in episodes:
+        if target in ("summary", "both"):
+            out.append(summary_episode(ep))
+        if target in ("episode", "both"):
+            out.append(ep if same_vocab else text_only(ep))
+    return out
+
+
+def clean(ep: sandbox.Episode) -> bool:
+    return bool(ep.summary.strip()) and ep.valid and not ep.flags.get("truncated")
+
+
+def keep_episode(ep: sandbox.Episode, score: dict | None, cfg: GenerateConfig) -> bool:
+    """`generate.filter` on one teacher episode (`score`: its rewards.score_batch row)."""
+    if cfg.filter == "none":
+        return bool(ep.summary.strip())
+    if not clean(ep):
+        return False
+    if cfg.filter == "pass":
+        return bool(score["pass"])
+    if cfg.filter == "factuality":
+        return score["factuality"] >= cfg.min_factuality
+    return True
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sum over positions of T^2 KL(softmax(t / T) || softmax(s / T)).
+    Logits (N, V) each; the T^2 keeps the gradient's scale comparable to CE's
+    as T changes (Hinton et al. 2015)."""
+    t = temperature
+    log_q = F.log_softmax(student_logits.float() / t, dim=-1)  # (N, V)
+    log_p = F.log_softmax(teacher_logits.float() / t, dim=-1)  # (N, V)
+    return t * t * (log_p.exp() * (log_p - log_q)).sum()
+
+
+def same_vocabulary(teacher_tok, student_tok) -> bool:
+    return teacher_tok.get_vocab() == student_tok.get_vocab()
+
+
+def kd_setting(teacher_tok, student_tok, cfg: KDConfig) -> tuple[float, str]:
+    """(the KD weight to use, a log line saying why)."""
+    if cfg.weight <= 0:
+        return 0.0, "kd: off (kd.weight=0): cross-entropy only"
+    if not same_vocabulary(teacher_tok, student_tok):
+        return 0.0, (f"kd: off: student and teacher vocabularies differ ({len(student_tok)} vs {len(teacher_tok)} "
+                     "tokens), their logits do not correspond: cross-entropy only")
+    return cfg.weight, f"kd: KL(teacher || student) at T={cfg.temperature:g}, weight {cfg.weight:g} (CE {1 - cfg.weight:g})"
+
+
+def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_tokens: int = 16384
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, V) the logits that predict every generated id of `episodes`, and (N,)
+    those ids: episodes, branches and turns in order, each id once, under the
+    context it was generated in. Branches are right-padded sequences; only the
+    needed positions go through the output head (`logits_to_keep`)."""
+    dev = next(model.parameters()).device
+    branches = [b for ep in episodes for b in ep.branches()]
+    chunks, cur = [], []
+    for b in branches:
+        if cur and max(len(x.input_ids) for x in cur + [b]) * (len(cur) + 1) > max_batch_tokens:
+            chunks.append(cur)
+            cur = []
+        cur.append(b)
+    chunks += [cur] if cur else []
+    logits, targets = [], []
+    for chunk in chunks:
+        width = max(len(b.input_ids) for b in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        wanted = []
+        for i, b in enumerate(chunk):
+            ids[i, :len(b.input_ids)] = torch.tensor(b.input_ids)
+            mask[i, :len(b.input_ids)] = 1
+            wanted.append([p for _, s, e in b.turns for p in range(s - 1, e - 1)])
+            targets += [b.input_ids[p + 1] for p in wanted[-1]]
+        keep = sorted({p for w in wanted for p in w})
+        col = {p: k for k, p in enumerate(keep)}
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                    logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
+        for i, w in enumerate(wanted):
+            logits.append(out[i, torch.tensor([col[p] for p in w], device=dev, dtype=torch.long)])
+    return torch.cat(logits), torch.tensor(targets, device=dev)
+
+
+def distill_loss(student, teacher, episodes, n_tokens: int, kd_weight: float, temperature: float,
+                 vocab: int, max_batch_tokens: int = 16384) -> tuple[torch.Tensor, float, float]:
+    """(loss, ce, kd) of a micro-batch, each a sum over its generated tokens
+    divided by `n_tokens` (the step's count): loss = (1 - w) ce + w kd. KD
+    compares the first `vocab` logits (heads padded past the vocabulary differ)."""
+    if kd_weight <= 0:
+        ce = sft.sequence_loss(student, episodes, n_tokens, max_batch_tokens)
+        return ce, ce.item(), math.nan
+    s_logits, targets = generated_logits(student, episodes, max_batch_tokens)
+    with torch.no_grad():
+        t_logits, _ = generated_logits(teacher, episodes, max_batch_tokens)
+    ce = F.cross_entropy(s_logits.float(), targets, reduction="sum") / max(1, n_tokens)
+    kd = kd_loss(s_logits[:, :vocab], t_logits[:, :vocab], temperature) / max(1, n_tokens)
+    return (1 - kd_weight) * ce + kd_weight * kd, ce.item(), kd.item()
+
+
+# ---------------------------------------------------------------------------
+# Measurement: student vs teacher (eval.py's metrics)
+# ---------------------------------------------------------------------------
+
+
+def eval_config(cfg: Config) -> evaluation.Config:
+    """eval.py's settings for the comparison: this run's documents, split,
+    limits and seed; factuality from `eval.factuality`, the rest of the reward as
+    `reward`."""
+    e = cfg.eval
+    return evaluation.Config(name=cfg.name, runs_dir=cfg.runs_dir, docs=cfg.data.docs, split=cfg.data.split,
+                             n_docs=max(1, e.n_docs), n_samples=e.n_samples, max_new_tokens=e.max_new_tokens,
+                             latency_docs=e.latency_docs,
+                             reward=dataclasses.replace(cfg.reward, factuality=e.factuality),
+                             limits=dict(cfg.limits), seed=cfg.seed, torch_threads=cfg.torch_threads)
+
+
+def compare(teacher_dir: str, student_dir: str, documents, cfg: evaluation.Config) -> dict:
+    """Teacher and student on the same documents through `eval.evaluate`
+    (latency per summary at batch 1, tools included, greedy factuality, ...):
+    both metric sets, speedup = teacher latency / student latency,
+    factuality_delta_points = 100 (student - teacher), and the first summaries
+    side by side."""
+    out, kept = {}, {}
+    for name, path in (("teacher", teacher_dir), ("student", student_dir)):
+        common.seed_everything(cfg.seed)  # the same sampling draws for both, as eval.py does
+        model, tok = evaluation.load_model(path, cfg)
+        kept[name] = []
+        out[name] = {**evaluation.evaluate(model, tok, documents, cfg, kept[name]), "path": str(path),
+                     "n_params": common.count_parameters(model)}
+        del model
+    t, s = out["teacher"], out["student"]
+    out.update(speedup_p50=t["latency_p50_ms"] / s["latency_p50_ms"],
+               speedup_p95=t["latency_p95_ms"] / s["latency_p95_ms"],
+               factuality_delta_points=100 * (s["factuality"] - t["factuality"]),
+               param_ratio=t["n_params"] / s["n_params"],
+               factuality_backend=rewards.BACKEND_NAMES[cfg.reward.factuality],
+               examples=[{"doc_id": getattr(d, "id", None), "teacher": te.summary, "student": se.summary}
+                         for (d, te, *_), (_, se, *_) in list(zip(kept["teacher"], kept["student"]))[:3]])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Teacher episodes and the student
+# ---------------------------------------------------------------------------
+
+
+def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> tuple[list[sandbox.Episode], dict]:
+    """The kept teacher episodes and their funnel; cached in the run directory
+    (reused while the settings that made them are unchanged)."""
+    path, stamp_path = run_dir / "teacher_episodes.jsonl", run_dir / "teacher_episodes.json"
+    files = sorted(Path(cfg.teacher).glob("*.*"))  # a retrained teacher makes new episodes
+    stamp = {"teacher": cfg.teacher, "teacher_files": {f.name: f.stat().st_mtime_ns for f in files},
+             "generate": dataclasses.asdict(cfg.generate), "docs": cfg.data.docs,
+             "split": cfg.data.split, "max_train_docs": cfg.data.max_train_docs, "limits": cfg.limits,
+             "seed": cfg.seed, "reward": common.config_to_dict(cfg.reward)}
+    if path.exists() and stamp_path.exists():
+        saved = json.loads(stamp_path.read_text(encoding="utf-8"))
+        if saved["stamp"] == stamp:
+            return sandbox.read_episodes(str(path)), {**saved["funnel"], "cached": True}
+    g = cfg.generate
+    scfg = rollout.SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+                                  batch_size=g.batch_size, seed=cfg.seed)
+    t0 = time.perf_counter()
+    eps = rollout.rollout(teacher, tok, docs, g.samples_per_doc, scfg, limits,
+                          generator=torch.Generator().manual_seed(cfg.seed))
+    docs_rep = [d for d in docs for _ in range(g.samples_per_doc)]
+    scores = rewards.score_batch(list(zip(docs_rep, eps)), cfg.reward) if g.filter in ("pass", "factuality") \
+        else [None] * len(eps)
+    kept = []
+    for ep, s in zip(eps, scores):
+        if s is not None:
+            ep.meta["reward"] = {k: s[k] for k in ("total", "pass", "factuality", "rules")}
+        if keep_episode(ep, s, g):
+            kept.append(ep)
+    funnel = {"documents": len(docs), "generated": len(eps), "clean": sum(map(clean, eps)), "kept": len(kept),
+              "teacher_tokens_per_episode": statistics.fmean(sum(len(t.ids) for t in e.turns) for e in eps),
+              "teacher_searches": sandbox.tool_stats(eps)["searches_per_episode"],
+              "generate_s": time.perf_counter() - t0}
+    common.atomic_write_text(path, "".join(e.to_json() + "\n" for e in kept))
+    common.atomic_write_text(stamp_path, json.dumps({"stamp": stamp, "funnel": funnel}, indent=1) + "\n")
+    return kept, {**funnel, "cached": False}
+
+
+def load_student(cfg: Config, run_dir: Path, teacher_tok):
+    """A tiny preset becomes a fresh Llama of that shape over the teacher's
+    tokenizer (so logits correspond and KD applies), seeded, written to
+    run_dir/student_init and loaded from there like any model; anything else
+    loads as it is."""
+    mcfg = cfg.student
+    if mcfg.name_or_path in common.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=len(teacher_tok), max_position_embeddings=common.TINY_MAX_POSITIONS,
+            tie_word_embeddings=True, pad_token_id=teacher_tok.pad_token_id,
+            bos_token_id=teacher_tok.bos_token_id, eos_token_id=teacher_tok.eos_token_id,
+            attn_implementation="sdpa", **common.TINY_PRESETS[mcfg.name_or_path])
+        with torch.random.fork_rng(devices=[]):  # the same weights on every (re)start of the run
+            torch.manual_seed(cfg.seed)
+            model = LlamaForCausalLM(config)
+        model.generation_config.pad_token_id = teacher_tok.pad_token_id
+        model.generation_config.eos_token_id = teacher_tok.eos_token_id
+        init = run_dir / "student_init"
+        with common.atomic_dir(init) as tmp:
+            model.save_pretrained(tmp)
+            teacher_tok.save_pretrained(tmp)
+        mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
+    return common.load_policy(mcfg, train=True)
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def main(cfg: Config) -> dict:
+    run = common.start_run(cfg)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    common.seed_everything(cfg.seed)
+    limits = sandbox.Limits.make(**cfg.limits)
+
+    # -- documents, teacher, teacher episodes -----------------------------------
+    train_docs, _, how = rl.load_documents(rl.DataConfig(train=cfg.data.docs, split=cfg.data.split))
+    if cfg.data.max_train_docs:
+        train_docs = train_docs[:cfg.data.max_train_docs]
+    if not train_docs:
+        raise SystemExit(f"no training documents ({how})")
+    ecfg = eval_config(cfg)
+    eval_docs = evaluation.load_eval_documents(ecfg) if cfg.eval.n_docs else []
+    print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
+    if not Path(cfg.teacher).exists():
+        raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
+    teacher, t_tok = common.load_trained(cfg.teacher, train=False)
+    episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
+    print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "
+          f"{funnel['clean']} clean), {funnel['teacher_tokens_per_episode']:.0f} tokens and "
+          f"{funnel['teacher_searches']:.2f} searches each" + (" (cached)" if funnel["cached"] else
+                                                                f", {funnel['generate_s']:.1f}s"))
+    if not episodes:
+        raise SystemExit("no teacher episode passed generate.filter: loosen it (generate.filter=none)")
+
+    # -- student, targets -------------------------------------------------------
+    model, tok = load_student(cfg, run.dir, t_tok)
+    kd_weight, why = kd_setting(t_tok, tok, cfg.kd)
+    print(why)
+    if kd_weight <= 0:
+        teacher = None  # not needed until the comparison, which loads it again
+    same = same_vocabulary(t_tok, tok)
+    train, skipped = sft.tokenize_episodes(make_targets(episodes, cfg.target, same), tok, cfg.data.max_tokens)
+    if not train:
+        raise SystemExit(f"every target is longer than data.max_tokens={cfg.data.max_tokens}")
+    checked = sft.validate_masks(train, tok, cfg.mask_check, cfg.seed)
+    print(f"targets ({cfg.target}): {len(train)} ({skipped} over {cfg.data.max_tokens} tokens skipped), "
+          f"{statistics.fmean(map(sft.n_generated, train)):.0f} generated tokens each; "
+          f"mask validation on {checked}; student {common.count_parameters(model):,} parameters, "
+          f"teacher {common.count_parameters(teacher) if teacher is not None else '-'}")
+
+    # -- optimiser, resume --------------------------------------------------------
+    lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]
+    per_epoch = math.ceil(len(train) / cfg.batch_episodes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    step = 0
+    ckpt = common.resolve_resume(cfg.resume, run.dir)
+    if ckpt is not None:
+        step = common.load_checkpoint(ckpt, model, opt, sched)["step"]
+        print(f"resumed from {ckpt} at step {step}")
+    if rl.trim_jsonl(run.dir / "metrics.jsonl", step):
+        print(f"metrics.jsonl: lines past step {step} dropped (written after the checkpoint resumed from)")
+
+    epochs: dict[int, list[list[int]]] = {}
+
+    def micro_batch(i: int) -> list[sandbox.Episode]:  # the data cursor is the micro-batch index
+        e, j = divmod(i, per_epoch)
+        if e not in epochs:
+            epochs.clear()
+            epochs[e] = sft.epoch_batches(len(train), lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed, e)
+        return [train[k] for k in epochs[e][j]]
+
+    # -- the loop ----------------------------------------------------------------
+    model.train()
+    vocab = len(tok)
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", dynamic_ncols=True)
+    t_last, tok_count, last = time.perf_counter(), 0, {}
+    while step < cfg.steps:
+        batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
+        n_tok = sum(sft.n_generated(e) for b in batches for e in b)
+        loss_sum, ce_sum, kd_sum = 0.0, 0.0, 0.0
+        for b in batches:
+            loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
+                                        cfg.max_batch_tokens)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents "
+                                         f"{[e.doc_id for e in b][:4]}); aborting before the update")
+            loss.backward()
+            loss_sum, ce_sum, kd_sum = loss_sum + loss.item(), ce_sum + ce, kd_sum + kd
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tok_count += n_tok
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            dt = time.perf_counter() - t_last
+            last = {"loss": loss_sum, "ce": ce_sum, "kd": kd_sum, "lr": lr, "grad_norm": norm.item(),
+                    "tok_s": tok_count / dt}
+            run.log(step, cfg.steps, last, dt)
+            t_last, tok_count = time.perf_counter(), 0
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            common.save_checkpoint(run.dir, step, model, opt, sched, keep=cfg.keep_checkpoints)
+    bar.close()
+
+    # -- final student, comparison -----------------------------------------------
+    final = run.dir / "final"
+    raw = model.merge_and_unload() if getattr(model, "peft_config", None) else model  # full weights
+    with common.atomic_dir(final) as tmp:
+        raw.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    print(f"student saved to {final}")
+    del teacher, model, raw
+    report = {"teacher_path": cfg.teacher, "student_path": str(final), "target": cfg.target,
+              "kd_weight": kd_weight, "kd": why, "teacher_episodes": funnel, "targets": len(train),
+              "steps": step, "last": last}
+    if eval_docs:
+        report.update(compare(cfg.teacher, str(final), eval_docs, ecfg))
+        for name in ("teacher", "student"):
+            f = report[name]
+            print(f"{name}: latency p50 {f['latency_p50_ms']:.1f} ms (p95 {f['latency_p95_ms']:.1f}), "
+                  f"{f['searches']:.2f} searches, factuality {f['factuality']:.3f}, pass {f['pass']:.3f}, "
+                  f"hallucination {f['hallucination_rate']:.3f}, rougeL {f['rougeL']:.3f}, "
+                  f"{f['n_params']:,} parameters")
+        print(f"speedup {report['speedup_p50']:.2f}x at p50 ({report['speedup_p95']:.2f}x at p95), factuality "
+              f"{report['factuality_delta_points']:+.1f} points ({report['factuality_backend']}) on "
+              f"{len(eval_docs)} held-out documents; the target is >= 3x and within 2 points")
+    common.atomic_write_text(run.dir / "distill.json", json.dumps(evaluation._jsonable(report), indent=1,
+                                                                   allow_nan=False) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        _cfg = common.load_config(Config)
+    except common.ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    main(_cfg)

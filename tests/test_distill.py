@@ -1,0 +1,266 @@
+"""Distillation: the summary-only target and its mask, the KD loss by hand and its
+vocabulary guard, the CE path against sft.py's, a run end to end from an RL-style
+adapter teacher, and exact resume."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import data
+import distill
+import rollout as R
+import sandbox as S
+import sft
+from helpers import DOC, bpe_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+TOK = bpe_tokenizer()
+WRITTEN = ('Acme reported revenue of $5 billion.<search>/revenue of/</search><delete scope="sentence"/> '
+           'Acme reported revenue of $4.2 billion.<search>Globex revenue</search> Shares fell 3.5%.')
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def teacher_episode():
+    ep = S.replay(DOC, WRITTEN).tokenized(TOK)
+    assert ep.n_search == 2 and ep.n_deleted == 1 and len(ep.turns) == 4
+    return ep
+
+
+# ---------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------
+
+
+def test_summary_target_is_the_final_summary_alone_and_its_mask_covers_exactly_it():
+    ep = teacher_episode()
+    assert ep.summary == "Acme reported revenue of $4.2 billion. Shares fell 3.5%."
+    t = distill.summary_episode(ep).tokenized(TOK)
+    assert [x.text for x in t.turns] == [ep.summary] and t.calls == [] and t.summary == ep.summary
+    (branch,) = t.branches()
+    prompt = S.prompt_ids(TOK, DOC)
+    trained = [i for i, m in zip(branch.input_ids, branch.loss_mask) if m]
+    assert trained == TOK.encode(ep.summary, add_special_tokens=False) + [TOK.eos_token_id]
+    assert branch.input_ids == prompt + trained and branch.loss_mask == [0] * len(prompt) + [1] * len(trained)
+    assert sft.validate_masks([t], TOK, 1) == 1
+
+
+def test_targets_by_mode_keep_sampled_ids_only_when_the_vocabulary_is_shared():
+    ep = teacher_episode()
+    assert [x.summary for x in distill.make_targets([ep], "summary", True)] == [ep.summary]
+    both = distill.make_targets([ep], "both", True)
+    assert len(both) == 2 and both[1] is ep  # the teacher's own ids, never re-encoded
+    other = distill.make_targets([ep], "episode", False)[0]
+    assert not other.has_ids and other.text == ep.text and other.summary == ep.summary
+    retok = other.tokenized(bpe_tokenizer(300))  # another vocabulary: canonical ids of the same text
+    assert [x.text for x in retok.turns] == [x.text for x in ep.turns] and retok.summary == ep.summary
+
+
+@pytest.mark.parametrize("flt, summary, valid, truncated, score, kept", [
+    ("none", "A.", False, True, None, True),
+    ("none", " ", True, False, None, False),
+    ("clean", "A.", True, False, None, True),
+    ("clean", "A.", True, True, None, False),
+    ("clean", "A.", False, False, None, False),
+    ("pass", "A.", True, False, {"pass": True, "factuality": 0.1}, True),
+    ("pass", "A.", True, False, {"pass": False, "factuality": 0.9}, False),
+    ("pass", "A.", True, True, {"pass": True, "factuality": 0.9}, False),
+    ("factuality", "A.", True, False, {"pass": False, "factuality": 0.5}, True),
+    ("factuality", "A.", True, False, {"pass": True, "factuality": 0.49}, False),
+])
+def test_generation_filter(flt, summary, valid, truncated, score, kept):
+    ep = S.Episode(DOC, [S.Turn(summary)], summary=summary,
+                   flags={"truncated": truncated, **({} if valid else {"junk": 1})})
+    cfg = distill.GenerateConfig(filter=flt, min_factuality=0.5)
+    assert distill.keep_episode(ep, score, cfg) is kept
+
+
+# ---------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------
+
+
+def test_kd_loss_equals_a_hand_computed_kl():
+    s = torch.tensor([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
+    t = torch.tensor([[0.0, 1.0, 3.0], [0.5, 2.0, 0.0]])
+    T = 2.0
+    total = 0.0
+    for srow, trow in zip(s.tolist(), t.tolist()):
+        zs = sum(math.exp(x / T) for x in srow)
+        zt = sum(math.exp(x / T) for x in trow)
+        for a, b in zip(srow, trow):
+            p, q = math.exp(b / T) / zt, math.exp(a / T) / zs
+            total += p * math.log(p / q)
+    assert distill.kd_loss(s, t, T).item() == pytest.approx(T * T * total, rel=1e-5)
+    assert total > 0.1  # the first row differs, so the check has teeth
+
+
+def test_kd_loss_is_zero_for_identical_logits_and_positive_otherwise():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    assert distill.kd_loss(x, x.clone(), 1.5).item() == pytest.approx(0.0, abs=1e-6)
+    assert distill.kd_loss(x, x + 3.0, 1.5).item() == pytest.approx(0.0, abs=1e-5)  # softmax ignores a shift
+    assert distill.kd_loss(x, torch.randn(5, 7, generator=g), 1.5).item() > 0.01
+
+
+def test_kd_falls_back_to_cross_entropy_when_vocabularies_differ():
+    cfg = distill.KDConfig(weight=0.5, temperature=2.0)
+    w, why = distill.kd_setting(TOK, bpe_tokenizer(300), cfg)
+    assert w == 0.0 and "vocabularies differ" in why and "cross-entropy only" in why
+    w, why = distill.kd_setting(TOK, bpe_tokenizer(), cfg)
+    assert w == 0.5 and "KL(teacher || student)" in why
+    assert distill.kd_setting(TOK, TOK, distill.KDConfig(weight=0.0))[0] == 0.0
+
+
+def test_distill_loss_ce_is_sfts_and_kd_against_itself_is_zero():
+    student = tiny_llama(TOK, seed=1, hidden=32, layers=1).eval()
+    teacher = tiny_llama(TOK, seed=2, hidden=32, layers=1).eval()
+    eps = [teacher_episode(), distill.summary_episode(teacher_episode()).tokenized(TOK)]
+    n = sum(sft.n_generated(e) for e in eps)
+    ce_sft = sft.sequence_loss(student, eps, n).item()
+    loss0, ce0, _ = distill.distill_loss(student, teacher, eps, n, 0.0, 2.0, len(TOK))
+    assert loss0.item() == pytest.approx(ce_sft, abs=1e-6)  # KD off: sft.sequence_loss itself
+    loss, ce, kd = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK), max_batch_tokens=300)
+    assert ce == pytest.approx(ce_sft, abs=1e-4)  # branch logits here, the tree path in sft: same numbers
+    assert kd > 0 and loss.item() == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-5)
+    loss, ce, kd = distill.distill_loss(student, student, eps, n, 0.5, 2.0, len(TOK))
+    assert kd == pytest.approx(0.0, abs=1e-6) and loss.item() == pytest.approx(0.5 * ce, rel=1e-5)
+    logits, targets = distill.generated_logits(student, eps)
+    assert logits.shape == (n, len(TOK)) and targets.tolist() == [i for e in eps for t in e.turns for i in t.ids]
+
+
+# ---------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Six news-world documents and a split: three to generate on, three held out."""
+    d = tmp_path_factory.mktemp("world")
+    docs = list(data.newsworld(6, seed=3))
+    data.write_jsonl(str(d / "docs.jsonl"), docs)
+    ids = [x.id for x in docs]
+    entry = {x.id: {"id": x.id, "sha256": data.content_hash(x.text)} for x in docs}
+    pools = {"train": [entry[i] for i in ids[:3]], "eval": [entry[i] for i in ids[3:]], "never_touch": []}
+    (d / "split.json").write_text(json.dumps({"version": 1, "pools": pools}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def full_teacher(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher_full")
+    tiny_llama(TOK, seed=0, hidden=32, layers=1).save_pretrained(path)
+    TOK.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapter_teacher(full_teacher, tmp_path_factory):
+    """What rl.py saves: a LoRA adapter whose config names its base directory."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(full_teacher)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+    path = tmp_path_factory.mktemp("teacher_adapter")
+    model.save_pretrained(path)
+    TOK.save_pretrained(path)
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == full_teacher
+    return str(path)
+
+
+def config(teacher, world, runs_dir, **over):
+    cfg = distill.Config(name="t", runs_dir=str(runs_dir), teacher=teacher, steps=5, batch_episodes=2,
+                         warmup_steps=1, log_every=1, save_every=0, mask_check=4, torch_threads=1)
+    cfg.data = distill.DataConfig(docs=str(world / "docs.jsonl"), split=str(world / "split.json"))
+    # a random teacher rarely ends before its token limit: keep its truncated episodes
+    cfg.generate = distill.GenerateConfig(samples_per_doc=2, max_new_tokens=12, filter="none")
+    cfg.eval = distill.EvalConfig(n_docs=2, latency_docs=2, n_samples=1, max_new_tokens=12, factuality="oracle")
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path):
+    report = distill.main(config(adapter_teacher, world, tmp_path, target="both"))
+    run = tmp_path / "t"
+    final = run / "final"
+    assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # full weights
+    model, tok = common.load_trained(str(final))
+    assert tok.get_vocab() == TOK.get_vocab() and model.config.hidden_size == 64  # tiny-0.3m over the teacher's vocab
+    ep = R.rollout(model, tok, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=8))[0]
+    assert 0 < sum(len(t.ids) for t in ep.turns) <= 8
+    saved = json.loads((run / "distill.json").read_text())
+    for who in ("teacher", "student"):
+        for key in ("latency_p50_ms", "latency_p95_ms", "factuality", "hallucination_rate", "tok_s", "n_params"):
+            assert math.isfinite(saved[who][key]), (who, key)
+    assert saved["param_ratio"] == pytest.approx(saved["teacher"]["n_params"] / saved["student"]["n_params"])
+    for key in ("speedup_p50", "speedup_p95", "factuality_delta_points", "param_ratio"):
+        assert math.isfinite(saved[key]) and saved[key] == pytest.approx(report[key])
+    assert saved["speedup_p50"] == pytest.approx(
+        saved["teacher"]["latency_p50_ms"] / saved["student"]["latency_p50_ms"])
+    assert saved["teacher"]["n_docs"] == saved["student"]["n_docs"] == 2 and len(saved["examples"]) == 2
+    assert saved["kd_weight"] == 0.5  # same vocabulary: KD on
+    assert saved["teacher_episodes"]["generated"] == 3 * 2 and saved["targets"] == 2 * saved["teacher_episodes"]["kept"]
+    rows = common.read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(math.isfinite(r["kd"]) for r in rows)
+
+
+def test_resume_gives_the_weights_of_an_uninterrupted_run(full_teacher, world, tmp_path, monkeypatch):
+    over = dict(steps=4, save_every=2, eval=distill.EvalConfig(n_docs=0))
+    distill.main(config(full_teacher, world, tmp_path / "a", **over))
+    real_save = common.save_checkpoint
+
+    def killed_after_step_2(run_dir, step, *a, **k):
+        path = real_save(run_dir, step, *a, **k)
+        if step == 2:
+            raise KeyboardInterrupt("killed")
+        return path
+
+    monkeypatch.setattr(common, "save_checkpoint", killed_after_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        distill.main(config(full_teacher, world, tmp_path / "b", **over))
+    monkeypatch.setattr(common, "save_checkpoint", real_save)
+    resumed = distill.main(config(full_teacher, world, tmp_path / "b", **over))
+    assert resumed["teacher_episodes"]["cached"]  # the same teacher episodes, not sampled again
+    from safetensors.torch import load_file
+
+    for rel in ("final/model.safetensors", None):
+        if rel is None:
+            a, b = (load_file(str(common.list_checkpoints(tmp_path / r / "t")[-1] / "trainable.safetensors"))
+                    for r in ("a", "b"))
+        else:
+            a, b = load_file(str(tmp_path / "a" / "t" / rel)), load_file(str(tmp_path / "b" / "t" / rel))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in common.read_metrics(tmp_path / "b" / "t" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_vocabulary_mismatch_trains_with_cross_entropy_and_says_so(full_teacher, world, tmp_path, capsys):
+    other = tmp_path / "other_student"
+    tiny_llama(bpe_tokenizer(300), seed=0, hidden=32, layers=1).save_pretrained(other)
+    bpe_tokenizer(300).save_pretrained(other)
+    cfg = config(full_teacher, world, tmp_path, steps=2, target="episode", eval=distill.EvalConfig(n_docs=0),
+                 student=common.ModelConfig(name_or_path=str(other), lora=common.LoraConfig(enabled=False)))
+    report = distill.main(cfg)
+    assert report["kd_weight"] == 0.0 and "vocabularies differ" in capsys.readouterr().out
+    rows = common.read_metrics(tmp_path / "t" / "metrics.jsonl")
+    assert all(math.isnan(r["kd"]) and math.isfinite(r["ce"]) for r in rows)
+    assert json.loads((tmp_path / "t" / "distill.json").read_text())["last"]["kd"] is None
+
+
+def test_the_tiny_config_loads():
+    cfg = common.load_config(distill.Config, ["--config", str(ROOT / "configs" / "distill_tiny.yaml")])
+    assert cfg.student.name_or_path in common.TINY_PRESETS and cfg.eval.factuality == "oracle"
+    assert cfg.torch_threads == 1 and not cfg.student.lora.enabled
