@@ -99,7 +99,10 @@ _OPENERS = frozenset(
     "shares analysts officials meanwhile after before when while there as for by with according last next "
     "earlier later then also both some many most one two if so yet".split()
 )
-_TERMINATOR = regex.compile(r"(?:\.\.\.|…|[.!?])+[\"'”’)\]»]*(?=\s|$)")
+# One run of terminators, matched only from its first character and never given
+# back: the older `(?:\.\.\.|…|[.!?])+` backtracked exponentially on a run of dots
+# that no space follows (a sampled policy wrote one: 50 dots took 84 s).
+_TERMINATOR = regex.compile(r"(?<![.!?…])[.!?…]++[\"'”’)\]»]*+(?=\s|$)")
 _BLOCK_BREAK = regex.compile(r"\n[ \t]*\n\s*|\n(?=[ \t]*(?:[-*•▪]|\d{1,2}[.)])\s)")
 _PREV_WORD = regex.compile(r"([\w&'’-]+(?:\.[\w&'’-]+)*)$")
 

@@ -42,6 +42,16 @@ def test_split_sentences(text, expected):
     assert S.split_sentences(text) == expected
 
 
+@pytest.mark.parametrize("run", [".", "!", "?", "…", ".!?"])
+def test_long_terminator_runs_split_in_linear_time(run):
+    # 60 dots with no space after them took minutes with the old terminator pattern
+    # (exponential backtracking); a sampled policy wrote such a run during RL.
+    text = "Acme said " + run * 4000 + "x and then. It rained."
+    assert S.split_sentences(text) == ["Acme said " + run * 4000 + "x and then.", "It rained."]
+    assert S.split_sentences("He said... Then it rained.” Next, Mr. Smith left!! Ok") == [
+        "He said...", "Then it rained.”", "Next, Mr. Smith left!!", "Ok"]
+
+
 def test_sentence_spans_are_offsets():
     text = "  First one.  Second one!\n\nThird"
     spans = S.sentence_spans(text)
