@@ -390,6 +390,9 @@ def main(cfg: Config) -> dict:
     limits = sandbox.Limits.make(**cfg.limits)
 
     # -- documents, teacher, teacher episodes -----------------------------------
+    if not Path(cfg.data.docs).exists():
+        raise SystemExit(f"data.docs={cfg.data.docs}: no such file (write it with `python data.py newsworld "
+                         f"--n 1000 --seed 0 --out {cfg.data.docs}` and split it with `python data.py split`)")
     train_docs, _, how = rl.load_documents(rl.DataConfig(train=cfg.data.docs, split=cfg.data.split))
     if cfg.data.max_train_docs:
         train_docs = train_docs[:cfg.data.max_train_docs]
