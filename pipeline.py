@@ -1,0 +1,234 @@
+"""The whole chain on the built-in news world, one command, CPU:
+
+    news world -> traces -> corpus -> SFT -> Dr. GRPO -> eval -> distill -> headline table
+
+    python pipeline.py                  # the chain (about 15 minutes on two cores)
+    python pipeline.py --full           # + the rules-only RL baseline and the three ablations
+    python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
+    python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
+    python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override
+
+Each stage is the stage's own script run with its own config, exactly the
+command the README gives for it, in a child process; this file only orders
+them, skips a stage whose output already exists (an interrupted stage resumes
+from its newest checkpoint: every script runs with resume=auto), and reads the
+stages' JSON outputs into one table. To change a stage, edit its config; to
+add one, add a `Stage`.
+
+The headline table goes to stdout and to runs/pipeline/headline.md (with the
+milestones of the plan marked met / not met), its figures to
+runs/pipeline/headline.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import common
+
+ROOT = Path(__file__).resolve().parent
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]  # the script and its arguments (run with this Python, from the repo root)
+    output: str  # the file or directory that exists once the stage has finished
+    full_only: bool = False  # run with --full only
+    checkpoints: bool = False  # resumes from its checkpoints (--fresh passes resume=none)
+
+
+SFT, RL = "runs/sft_tiny/final", "runs/rl_tiny/final"
+ABLATIONS = {  # run name -> config: the --full rows of the table
+    "rl_tiny_rules_only": "configs/ablation_rules_only.yaml",
+    "rl_tiny_no_delete": "configs/ablation_no_delete.yaml",
+    "rl_tiny_no_search": "configs/ablation_no_search.yaml",
+    "rl_tiny_no_budget": "configs/ablation_no_budget.yaml",
+}
+STAGES = [
+    Stage("traces", ["synth_traces.py", "--config", "configs/synth_newsworld.yaml"], "out/traces/newsworld.jsonl"),
+    Stage("corpus", ["filter_traces.py", "--config", "configs/filter_newsworld.yaml"],
+          "out/corpus/newsworld/train.jsonl"),
+    Stage("sft", ["sft.py", "--config", "configs/sft_tiny.yaml"], SFT, checkpoints=True),
+    Stage("rl", ["rl.py", "--config", "configs/tiny.yaml"], RL, checkpoints=True),
+    *[Stage(name, ["rl.py", "--config", cfg], f"runs/{name}/final", full_only=True, checkpoints=True)
+      for name, cfg in ABLATIONS.items()],
+    Stage("eval", ["eval.py", "--config", "configs/eval_tiny.yaml", "--compare", SFT, RL], "runs/eval_tiny/eval.json"),
+    Stage("eval_full", ["eval.py", "--config", "configs/eval_tiny.yaml", "name=eval_tiny_full", "--compare", SFT, RL,
+                        *[f"runs/{n}/final" for n in ABLATIONS]], "runs/eval_tiny_full/eval.json", full_only=True),
+    Stage("distill", ["distill.py", "--config", "configs/distill_tiny.yaml"], "runs/distill_tiny/distill.json",
+          checkpoints=True),
+]
+
+
+def run_stage(stage: Stage, cwd: Path) -> float:
+    """Run one stage in `cwd` (its outputs land there); returns its wall-clock
+    seconds. A failing stage stops the pipeline with the command to rerun it."""
+    script, *rest = stage.argv
+    rest = [str(ROOT / a) if a.startswith("configs/") else a for a in rest]
+    cmd = [sys.executable, str(ROOT / script), *rest]
+    print(f"\n=== {stage.name}: {' '.join(['python', *stage.argv])}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd, cwd=cwd)
+    if rc != 0:
+        raise SystemExit(f"pipeline: stage {stage.name!r} failed (exit {rc}); rerun it alone with\n"
+                         f"  python {' '.join(stage.argv)}\nthen `python pipeline.py` continues from there")
+    if not (cwd / stage.output).exists():
+        raise SystemExit(f"pipeline: stage {stage.name!r} finished but did not write {stage.output}")
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------
+# The headline table
+# ---------------------------------------------------------------------------
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def _num(x, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _models(eval_json: dict) -> dict[str, dict]:
+    """eval.json's per-model metrics, keyed by the model directory."""
+    return {m["model"]: m["metrics"] for m in eval_json["models"]}
+
+
+def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None = None,
+             seconds: dict[str, float] | None = None) -> tuple[str, dict]:
+    """(markdown, figures) of the pipeline's outcome: the plan's milestones
+    measured on the news world, each marked met or not met."""
+    models = _models(full_json or eval_json)
+    sft, rl = models.get(SFT, {}), models.get(RL, {})
+    backend = eval_json.get("factuality_backend", "?")
+    rows = [("SFT", SFT, sft), ("Dr. GRPO", RL, rl)]
+    if full_json:
+        rows += [(name.replace("rl_tiny_", "RL ").replace("_", " "), f"runs/{name}/final", models.get(f"runs/{name}/final", {}))
+                 for name in ABLATIONS]
+    lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents; factuality: {backend}.", "",
+             "| model | valid calls | rule pass | hallucination | combined pass | pass@1 | pass@8 | "
+             "searches | deletes | ROUGE-L | p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, _, m in rows:
+        lines.append(f"| {label} | {_pct(m.get('valid_call_rate'))} | {_pct(m.get('rules_pass'))} | "
+                     f"{_pct(m.get('hallucination_rate'))} | {_pct(m.get('pass'))} | {_pct(m.get('pass_at_1'))} | "
+                     f"{_pct(m.get('pass_at_8'))} | {_num(m.get('searches'), '{:.2f}')} | "
+                     f"{_num(m.get('deletes'), '{:.2f}')} | {_num(m.get('rougeL'), '{:.3f}')} | "
+                     f"{_num(m.get('latency_p50_ms'), '{:.0f}')} |")
+    fig = {"sft": sft, "rl": rl, "factuality_backend": backend}
+    if distill_json:
+        t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
+        lines += ["", "| distillation | p50 ms per summary | factuality | combined pass |", "|---|---|---|---|",
+                  f"| teacher (Dr. GRPO policy, tools) | {_num(t.get('latency_p50_ms'), '{:.0f}')} | "
+                  f"{_pct(t.get('factuality'))} | {_pct(t.get('pass'))} |",
+                  f"| student (no tools) | {_num(s.get('latency_p50_ms'), '{:.0f}')} | {_pct(s.get('factuality'))} | "
+                  f"{_pct(s.get('pass'))} |"]
+        fig["teacher"], fig["student"] = t, s
+    # Milestones (the plan, seeds/000): each with its measured value.
+    base = models.get("runs/rl_tiny_rules_only/final") if full_json else None
+    base_label = "the rules-only RL baseline" if base else "the SFT start (run --full for the rules-only baseline)"
+    base = base or sft
+    h0, h1 = base.get("hallucination_rate"), rl.get("hallucination_rate")
+    drop = (h0 - h1) / h0 if h0 and h1 is not None and not math.isnan(h0) and not math.isnan(h1) else float("nan")
+    student_ok, student_shown = None, "-"
+    if distill_json:
+        t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
+        ms, t_ms = s.get("latency_p50_ms"), t.get("latency_p50_ms")
+        gap = 100 * ((t.get("factuality") or 0) - (s.get("factuality") or 0))
+        if ms is not None:
+            student_ok = ms <= 100 and gap <= 2
+            student_shown = f"{ms:.0f} ms ({t_ms / ms:.1f}x faster), {gap:+.1f} points" if t_ms else f"{ms:.0f} ms"
+    marks = [
+        ("tool calls valid >= 95% (after SFT)", _pct(sft.get("valid_call_rate")), _ge(sft.get("valid_call_rate"), 0.95)),
+        ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl.get("rules_pass")), _ge(rl.get("rules_pass"), 0.20)),
+        (f"M1 hallucinations down >= 40% vs {base_label}", f"{_pct(h0)} -> {_pct(h1)}", _ge(drop, 0.40)),
+        ("M2 combined pass >= 60% (Dr. GRPO)", _pct(rl.get("pass")), _ge(rl.get("pass"), 0.60)),
+        ("M3 student <= 100 ms per summary, factuality within 2 points", student_shown, student_ok),
+    ]
+    lines += ["", "| milestone | measured | status |", "|---|---|---|"]
+    for name, shown, ok in marks:
+        status = "not measured" if ok is None else ("met" if ok else "not met")
+        lines.append(f"| {name} | {shown} | {status} |")
+    fig["milestones"] = {name: ok for name, _, ok in marks}
+    if seconds:
+        total = sum(seconds.values())
+        lines += ["", "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
+                  + f"; total {total:.0f} ({total / 60:.1f} min)"]
+        fig["seconds"] = seconds
+    return "\n".join(lines) + "\n", fig
+
+
+def _ge(x, bound: float) -> bool | None:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return None
+    return x >= bound
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="add the rules-only RL baseline and the three ablations")
+    ap.add_argument("--fresh", action="store_true", help="rerun stages whose outputs exist")
+    ap.add_argument("--only", default="", help="comma-separated stage names: " + ", ".join(s.name for s in STAGES))
+    ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                    help="an override for one stage's script, e.g. sft.epochs=1 (repeatable)")
+    ap.add_argument("--workdir", default=".", help="where out/ and runs/ go (default: here)")
+    ap.add_argument("--out", default="runs/pipeline", help="where the headline table goes (in workdir)")
+    args = ap.parse_args(argv)
+    extra: dict[str, list[str]] = {}
+    for item in args.set:
+        name, _, kv = item.partition(".")
+        if "=" not in kv or name not in {s.name for s in STAGES}:
+            raise SystemExit(f"pipeline: --set {item!r}: expected STAGE.KEY=VALUE with a stage among "
+                             f"{[s.name for s in STAGES]}")
+        extra.setdefault(name, []).append(kv)
+    only = [s for s in args.only.split(",") if s]
+    unknown = set(only) - {s.name for s in STAGES}
+    if unknown:
+        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in STAGES]}")
+    work = Path(args.workdir).resolve()
+    out = work / args.out
+    seconds_path = out / "seconds.json"
+    seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
+    t_start = time.perf_counter()
+    for stage in STAGES:
+        if (only and stage.name not in only) or (stage.full_only and not args.full and stage.name not in only):
+            continue
+        if (work / stage.output).exists() and not args.fresh and stage.name not in only:
+            print(f"=== {stage.name}: {stage.output} exists, skipped (--fresh reruns it)")
+            continue
+        if args.fresh and stage.checkpoints:  # a fresh rerun must not resume the old run
+            extra.setdefault(stage.name, []).append("resume=none")
+        if stage.name in extra:  # key=value overrides go before --compare's list
+            at = stage.argv.index("--compare") if "--compare" in stage.argv else len(stage.argv)
+            stage = dataclasses.replace(stage, argv=[*stage.argv[:at], *extra[stage.name], *stage.argv[at:]])
+        seconds[stage.name] = run_stage(stage, work)
+        common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
+    eval_path = work / "runs/eval_tiny/eval.json"
+    if not eval_path.exists():
+        print("pipeline: no evaluation yet; the headline table needs the eval stage")
+        return {}
+    full_path = work / "runs/eval_tiny_full/eval.json"
+    distill_path = work / "runs/distill_tiny/distill.json"
+    md, fig = headline(json.loads(eval_path.read_text()),
+                       json.loads(distill_path.read_text()) if distill_path.exists() else None,
+                       json.loads(full_path.read_text()) if args.full and full_path.exists() else None, seconds)
+    common.atomic_write_text(out / "headline.md", md)
+    common.atomic_write_text(out / "headline.json", json.dumps(fig, indent=1, default=str))
+    print("\n" + md)
+    print(f"pipeline: {time.perf_counter() - t_start:.0f} s this call; table in {args.out}/headline.md")
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""pipeline.py: the headline table from hand-made stage outputs, the stage
+plumbing, and the smallest setting of the whole chain end to end."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipeline
+
+ROOT = Path(pipeline.__file__).resolve().parent
+
+
+def _metrics(**kw) -> dict:
+    base = {"valid_call_rate": 0.97, "rules_pass": 0.25, "hallucination_rate": 0.5, "pass": 0.1, "pass_at_1": 0.1,
+            "pass_at_8": 0.4, "searches": 1.0, "deletes": 0.5, "rougeL": 0.3, "latency_p50_ms": 120.0,
+            "factuality": 0.6}
+    return {**base, **kw}
+
+
+def _eval_json(models: dict[str, dict]) -> dict:
+    return {"models": [{"model": k, "metrics": v} for k, v in models.items()], "n_docs": 32,
+            "factuality_backend": "oracle (news world fact table)"}
+
+
+def test_headline_marks_each_milestone_from_its_figure():
+    ev = _eval_json({pipeline.SFT: _metrics(hallucination_rate=0.8, valid_call_rate=0.96),
+                     pipeline.RL: _metrics(hallucination_rate=0.4, rules_pass=0.3, **{"pass": 0.65})})
+    dist = {"teacher": {"latency_p50_ms": 150.0, "factuality": 0.60, "pass": 0.5},
+            "student": {"latency_p50_ms": 40.0, "factuality": 0.59, "pass": 0.45}}
+    md, fig = pipeline.headline(ev, dist, seconds={"sft": 300.0, "rl": 200.0})
+    m = fig["milestones"]
+    assert m["tool calls valid >= 95% (after SFT)"] is True
+    assert m["M0 rule pass >= 20% (Dr. GRPO)"] is True
+    hall = next(k for k in m if k.startswith("M1"))
+    assert m[hall] is True and "SFT start" in hall  # 0.8 -> 0.4 is down 50%; no --full baseline
+    assert m["M2 combined pass >= 60% (Dr. GRPO)"] is True
+    assert m["M3 student <= 100 ms per summary, factuality within 2 points"] is True
+    for figure in ("96.0%", "65.0%", "80.0% -> 40.0%", "| 40 |", "40 ms (3.8x faster), +1.0 points", "total 500"):
+        assert figure in md, figure
+    assert md.count("| met |") == 5
+
+    slow = {"teacher": dist["teacher"], "student": {**dist["student"], "factuality": 0.5}}
+    ev_bad = _eval_json({pipeline.SFT: _metrics(valid_call_rate=0.5, hallucination_rate=float("nan")),
+                         pipeline.RL: _metrics(rules_pass=0.1)})
+    md, fig = pipeline.headline(ev_bad, slow)
+    m = fig["milestones"]
+    assert m["tool calls valid >= 95% (after SFT)"] is False
+    assert m["M0 rule pass >= 20% (Dr. GRPO)"] is False
+    assert m[next(k for k in m if k.startswith("M1"))] is None  # not measurable, not guessed
+    assert m["M3 student <= 100 ms per summary, factuality within 2 points"] is False
+    assert "| not measured |" in md and "| not met |" in md
+
+
+def test_full_table_compares_hallucinations_with_the_rules_only_run():
+    rows = {pipeline.SFT: _metrics(hallucination_rate=0.9), pipeline.RL: _metrics(hallucination_rate=0.5)}
+    rows.update({f"runs/{n}/final": _metrics() for n in pipeline.ABLATIONS})
+    rows["runs/rl_tiny_rules_only/final"] = _metrics(hallucination_rate=0.6)
+    md, fig = pipeline.headline(_eval_json(rows), None, full_json=_eval_json(rows))
+    hall = next(k for k in fig["milestones"] if k.startswith("M1"))
+    assert "rules-only" in hall and fig["milestones"][hall] is False  # 0.6 -> 0.5 is down 17%
+    assert all(f"| RL {n.replace('rl_tiny_', '').replace('_', ' ')} |" in md for n in pipeline.ABLATIONS)
+    assert fig["milestones"]["M3 student <= 100 ms per summary, factuality within 2 points"] is None
+
+
+def test_stage_names_and_overrides_are_checked(tmp_path):
+    with pytest.raises(SystemExit, match="unknown stage"):
+        pipeline.main(["--only", "sfft", "--workdir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="STAGE.KEY=VALUE"):
+        pipeline.main(["--set", "sft=1", "--workdir", str(tmp_path)])
+    assert {s.name for s in pipeline.STAGES} >= {"traces", "corpus", "sft", "rl", "eval", "distill"}
+    assert all((ROOT / s.argv[0]).exists() and (ROOT / s.argv[2]).exists() for s in pipeline.STAGES)
+
+
+SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
+    "traces": ["generate_docs=40"],
+    "sft": ["epochs=1", "warmup_steps=1", "eval.n_docs=2", "eval.max_new_tokens=16"],
+    "rl": ["steps=2", "prompts_per_step=2", "group_size=2", "micro_groups=2", "warmup_steps=0", "eval.n_docs=2",
+           "eval.max_new_tokens=16", "sampling.max_new_tokens=16"],
+    "eval": ["n_docs=2", "n_samples=2", "max_new_tokens=16", "latency_docs=2"],
+    "distill": ["steps=3", "warmup_steps=0", "data.max_train_docs=4", "generate.max_new_tokens=16",
+                "generate.filter=none", "eval.n_docs=2", "eval.latency_docs=2", "eval.max_new_tokens=16"],
+}
+
+
+def test_smallest_pipeline_end_to_end(tmp_path):
+    args = [a for stage, kvs in SMALLEST.items() for kv in kvs for a in ("--set", f"{stage}.{kv}")]
+    run = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path), *args],
+                         capture_output=True, text=True, timeout=900, env={**os.environ,
+                                                                          "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for stage in pipeline.STAGES:
+        assert stage.full_only or (tmp_path / stage.output).exists(), stage.name
+    assert (tmp_path / "runs/eval_tiny/report.md").exists() and (tmp_path / "runs/distill_tiny/final").is_dir()
+    md = (tmp_path / "runs/pipeline/headline.md").read_text()
+    fig = json.loads((tmp_path / "runs/pipeline/headline.json").read_text())
+    for key in ("valid_call_rate", "rules_pass", "hallucination_rate", "pass", "pass_at_1", "pass_at_8"):
+        assert key in fig["sft"] and key in fig["rl"], key
+    assert "latency_p50_ms" in fig["student"] and "factuality" in fig["student"]
+    assert len(fig["milestones"]) == 5 and set(fig["seconds"]) == {"traces", "corpus", "sft", "rl", "eval", "distill"}
+    for row in ("| SFT |", "| Dr. GRPO |", "| student (no tools) |", "M0 rule pass", "M1 hallucinations",
+                "M2 combined pass", "M3 student", "Stage times"):
+        assert row in md, row
+    assert md in run.stdout
+
+    again = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("exists, skipped") == 6, again.stdout[-2000:]
