@@ -1,4 +1,4 @@
-"""Shared test set-up: the project root on sys.path and the `gpu` marker."""
+"""Shared test set-up: the project root on sys.path, one torch thread, and the `gpu` marker."""
 import os
 import sys
 
@@ -7,6 +7,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Every test model is tiny: a second thread buys nothing, and on a shared
+    two-core CPU its spin-waits make a step several times slower."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def pytest_collection_modifyitems(config, items):

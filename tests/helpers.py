@@ -1,4 +1,6 @@
-"""Small fixtures shared by tests: a byte-level BPE tokenizer trained in memory."""
+"""Small fixtures shared by tests: a byte-level BPE tokenizer trained in memory,
+tiny models, and a kill at the worst moment of a run."""
+import contextlib
 import functools
 
 DOC = (
@@ -91,3 +93,31 @@ def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
         ep.doc_id = doc.id
         out.append(ep)
     return out
+
+
+def save_tiny_policy(path, tokenizer, **kw) -> str:
+    """A random tiny Llama (`tiny_llama` arguments) and its tokenizer saved like any model."""
+    tiny_llama(tokenizer, **{"hidden": 32, "layers": 1, **kw}).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@contextlib.contextmanager
+def killed_after_checkpoint(monkeypatch, step: int):
+    """Inside the block, `common.save_checkpoint` raises KeyboardInterrupt right
+    after it has written `step`'s checkpoint: a kill between two steps."""
+    import common
+
+    real_save = common.save_checkpoint
+
+    def save_then_die(run_dir, at, *a, **k):
+        path = real_save(run_dir, at, *a, **k)
+        if at == step:
+            raise KeyboardInterrupt("killed")
+        return path
+
+    monkeypatch.setattr(common, "save_checkpoint", save_then_die)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(common, "save_checkpoint", real_save)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import common
 import data
@@ -15,20 +14,12 @@ import distill
 import rollout as R
 import sandbox as S
 import sft
-from helpers import DOC, bpe_tokenizer, tiny_llama
+from helpers import DOC, bpe_tokenizer, killed_after_checkpoint, save_tiny_policy, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = bpe_tokenizer()
 WRITTEN = ('Acme reported revenue of $5 billion.<search>/revenue of/</search><delete scope="sentence"/> '
            'Acme reported revenue of $4.2 billion.<search>Globex revenue</search> Shares fell 3.5%.')
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def teacher_episode():
@@ -160,9 +151,7 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_teacher(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher_full")
-    tiny_llama(TOK, seed=0, hidden=32, layers=1).save_pretrained(path)
-    TOK.save_pretrained(path)
-    return str(path)
+    return save_tiny_policy(path, TOK)
 
 
 @pytest.fixture(scope="module")
@@ -221,18 +210,8 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path):
 def test_resume_gives_the_weights_of_an_uninterrupted_run(full_teacher, world, tmp_path, monkeypatch):
     over = dict(steps=4, save_every=2, eval=distill.EvalConfig(n_docs=0))
     distill.main(config(full_teacher, world, tmp_path / "a", **over))
-    real_save = common.save_checkpoint
-
-    def killed_after_step_2(run_dir, step, *a, **k):
-        path = real_save(run_dir, step, *a, **k)
-        if step == 2:
-            raise KeyboardInterrupt("killed")
-        return path
-
-    monkeypatch.setattr(common, "save_checkpoint", killed_after_step_2)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         distill.main(config(full_teacher, world, tmp_path / "b", **over))
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
     resumed = distill.main(config(full_teacher, world, tmp_path / "b", **over))
     assert resumed["teacher_episodes"]["cached"]  # the same teacher episodes, not sampled again
     from safetensors.torch import load_file

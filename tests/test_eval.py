@@ -30,14 +30,6 @@ REQUIRED = ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "t
             *[f"rule_{r}_pass" for r in rewards.RULES]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------
 # pass@k
 # ---------------------------------------------------------------------------

@@ -19,20 +19,10 @@ import data
 import rl
 import rollout as R
 import sandbox as S
-from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
+from helpers import DOC, bpe_tokenizer, save_tiny_policy, script_ids, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = bpe_tokenizer()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: a second thread buys nothing, and on a shared CPU
-    its spin-waits make a step several times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---------------------------------------------------------------------------
@@ -176,9 +166,7 @@ def test_stops_end_turns_and_the_end_of_turn_token_is_trained_not_summarised():
 def policy(tmp_path_factory):
     """A random tiny Llama over the test tokenizer, saved like any model."""
     path = tmp_path_factory.mktemp("policy")
-    tiny_llama(TOK, seed=0, hidden=32, layers=1).save_pretrained(path)
-    TOK.save_pretrained(path)
-    return str(path)
+    return save_tiny_policy(path, TOK)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import common
 import sandbox as S
 import sft
-from helpers import newsworld_traces
+from helpers import killed_after_checkpoint, newsworld_traces
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +100,8 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path
     over = dict(epochs=4 * 16 / 100, batch_episodes=16, save_every=2, lr=1e-3, mask_check=4,
                 eval=sft.EvalConfig(every=0, n_docs=0))
     sft.main(cfg_for(tiny, traces, tmp_path / "a", **over))
-    real_save = common.save_checkpoint
-
-    def killed_after_step_2(run_dir, step, *a, **k):
-        path = real_save(run_dir, step, *a, **k)
-        if step == 2:
-            raise KeyboardInterrupt("killed")
-        return path
-
-    monkeypatch.setattr(common, "save_checkpoint", killed_after_step_2)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         sft.main(cfg_for(tiny, traces, tmp_path / "b", **over))
-    monkeypatch.setattr(common, "save_checkpoint", real_save)
     sft.main(cfg_for(tiny, traces, tmp_path / "b", **over))
     from safetensors.torch import load_file
 
