@@ -538,6 +538,8 @@ def _entities_heuristic(sentence: str, toks: list | None = None) -> list[Name]:
     first_start = toks[0][0] if toks else -1
 
     def close():
+        if all(t in STOPWORDS for t in run):
+            return  # "The" after a bracket or stray period is not a name
         names.append(Name(tuple(run), run_start, run_end, run_start == first_start and len(run) == 1))
 
     pending: list[str] = []  # connectors waiting for the next capitalised token
@@ -1027,11 +1029,19 @@ def _claim_support(doc: DocInfo, c: Claim, cfg: RewardConfig) -> dict:
 
 
 def lexical_details(doc: DocInfo, s: SummaryInfo, cfg: RewardConfig) -> tuple[float, list[dict]]:
-    claims = [c for c in s.claims if c.clauses]
+    """(F, one detail per summary sentence). A sentence without a content word,
+    name or number states nothing the document could support: it scores 0 and
+    counts in the mean (left out, "The. The. The." scored 0.9 and an RL policy
+    learnt to write it)."""
     cap = max(0, cfg.lexical.max_claims)
-    details = [_claim_support(doc, c, cfg) for c in claims[:cap]]
-    details += [{"claim": c.text, "score": 0.0, "extrinsic": [], "premises": [], "skipped": "past max_claims"}
-                for c in claims[cap:]]
+    details = []
+    for i, c in enumerate(s.claims):
+        if i >= cap:
+            details.append({"claim": c.text, "score": 0.0, "extrinsic": [], "premises": [], "skipped": "past max_claims"})
+        elif not c.clauses:
+            details.append({"claim": c.text, "score": 0.0, "extrinsic": [], "premises": [], "skipped": "no content"})
+        else:
+            details.append(_claim_support(doc, c, cfg))
     if not details:
         return 0.0, []
     return float(np.mean([d["score"] for d in details])), details

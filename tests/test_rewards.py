@@ -271,6 +271,17 @@ def test_lexical_is_the_mean_over_claims_and_names_itself():
     assert out["claims"][0]["premises"] == [sandbox.split_sentences(DOC)[0]]
 
 
+def test_sentences_without_content_score_zero_and_count():
+    # A tiny RL policy learnt "The. The. A. The) The." when such sentences were
+    # left out of the mean: the few left scored 1.0.
+    a = "Acme Corp. reported revenue of $4.2 billion."
+    fa = R.lexical_factuality(DOC, a)
+    assert fa > 0.9
+    assert R.lexical_factuality(DOC, "The. The. A. The) The.") == 0.0
+    assert R.lexical_factuality(DOC, a + " The. The.") == pytest.approx(fa / 3)
+    assert R.entities("A. The) The.") == []
+
+
 def test_document_side_is_cached_by_content():
     R._DOC_CACHE.clear()
     text = "Acme Corp. hired 12 people. " * 3
