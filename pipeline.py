@@ -114,7 +114,7 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
         rows += [(name.replace("rl_tiny_", "RL ").replace("_", " "), f"runs/{name}/final", models.get(f"runs/{name}/final", {}))
                  for name in ABLATIONS]
     lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents; factuality: {backend}.", "",
-             "| model | valid calls | rule pass | hallucination | combined pass | pass@1 | pass@8 | "
+             "| model | valid calls | rule pass | hallucination | combined pass | pass@1 (T=1) | pass@8 (T=1) | "
              "searches | deletes | ROUGE-L | p50 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, _, m in rows:
