@@ -145,9 +145,9 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
         gap = 100 * ((t.get("factuality") or 0) - (s.get("factuality") or 0))
         if ms is not None:
             student_ok = ms <= 100 and gap <= 2
-            student_shown = f"{ms:.0f} ms, {gap:+.1f} points"
+            student_shown = f"{ms:.0f} ms, {_points(gap)}"
         if ms and t_ms:
-            speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {gap:+.1f} points"
+            speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {_points(gap)}"
     marks = [
         ("tool calls valid >= 95% (after SFT)", _pct(sft.get("valid_call_rate")), _ge(sft.get("valid_call_rate"), 0.95)),
         ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl.get("rules_pass")), _ge(rl.get("rules_pass"), 0.20)),
@@ -167,6 +167,11 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
                   + f"; total {total:.0f} ({total / 60:.1f} min)"]
         fig["seconds"] = seconds
     return "\n".join(lines) + "\n", fig
+
+
+def _points(gap: float) -> str:
+    """A teacher-minus-student factuality gap in points, in words."""
+    return f"factuality {abs(gap):.1f} points {'below' if gap > 0 else 'above'} the teacher"
 
 
 def _ge(x, bound: float) -> bool | None:
