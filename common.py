@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import math
 import numbers
@@ -827,15 +828,20 @@ def _tiny_spec(preset: str, seed: int) -> dict:
                           "world": data.WORLD_VERSION}}
 
 
-def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, tokenizer=None) -> Path:
     """Write a freshly initialised tiny Llama and its tokenizer to `out_dir`; return the path.
 
-    Same preset and seed give the same weights. A directory already built with the
-    same preset, seed and build format is reused as it is (its `tiny_model.json`
+    Same preset and seed give the same weights. `tokenizer` (default: the tiny
+    tokenizer trained on the news world) sets the vocabulary, e.g. a distillation
+    student's over its teacher's. A directory already built with the same preset,
+    seed, tokenizer and build format is reused as it is (its `tiny_model.json`
     says so). The build happens in a temp directory moved into place at the end,
     so an interrupted build never leaves a half-written model.
     """
     spec = _tiny_spec(preset, seed)
+    if tokenizer is not None:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        spec["tokenizer"] = {"vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest()}
     out = Path(out_dir)
     marker = out / TINY_MARKER
     if marker.is_file():
@@ -847,7 +853,7 @@ def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0) -> 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = tiny_tokenizer()
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok), max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -357,22 +357,7 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
     loads as it is."""
     mcfg = cfg.student
     if mcfg.name_or_path in common.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=len(teacher_tok), max_position_embeddings=common.TINY_MAX_POSITIONS,
-            tie_word_embeddings=True, pad_token_id=teacher_tok.pad_token_id,
-            bos_token_id=teacher_tok.bos_token_id, eos_token_id=teacher_tok.eos_token_id,
-            attn_implementation="sdpa", **common.TINY_PRESETS[mcfg.name_or_path])
-        with torch.random.fork_rng(devices=[]):  # the same weights on every (re)start of the run
-            torch.manual_seed(cfg.seed)
-            model = LlamaForCausalLM(config)
-        model.generation_config.pad_token_id = teacher_tok.pad_token_id
-        model.generation_config.eos_token_id = teacher_tok.eos_token_id
-        init = run_dir / "student_init"
-        with common.atomic_dir(init) as tmp:
-            model.save_pretrained(tmp)
-            teacher_tok.save_pretrained(tmp)
+        init = common.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
         mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
     return common.load_policy(mcfg, train=True)
 
