@@ -89,41 +89,50 @@ def run_stage(stage: Stage, cwd: Path) -> float:
 # ---------------------------------------------------------------------------
 
 
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def _pct(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+    return "n/a" if _missing(x) else f"{100 * x:.1f}%"
 
 
 def _num(x, fmt: str = "{:.1f}") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+    return "n/a" if _missing(x) else fmt.format(x)
 
 
-def _models(eval_json: dict) -> dict[str, dict]:
-    """eval.json's per-model metrics, keyed by the model directory."""
-    return {m["model"]: m["metrics"] for m in eval_json["models"]}
+def _ge(x, bound: float) -> bool | None:
+    return None if _missing(x) else x >= bound
+
+
+def _points(gap: float) -> str:
+    """A teacher-minus-student factuality gap in points, in words."""
+    return f"factuality {abs(gap):.1f} points {'below' if gap > 0 else 'above'} the teacher"
 
 
 def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None = None,
              seconds: dict[str, float] | None = None) -> tuple[str, dict]:
     """(markdown, figures) of the pipeline's outcome: the plan's milestones
     measured on the news world, each marked met or not met."""
-    models = _models(full_json or eval_json)
+    models = {m["model"]: m["metrics"] for m in (full_json or eval_json)["models"]}
     sft, rl = models.get(SFT, {}), models.get(RL, {})
     backend = eval_json.get("factuality_backend", "?")
-    rows = [("SFT", SFT, sft), ("Dr. GRPO", RL, rl)]
+    rows = [("SFT", sft), ("Dr. GRPO", rl)]
     if full_json:
-        rows += [(name.replace("rl_tiny_", "RL ").replace("_", " "), f"runs/{name}/final", models.get(f"runs/{name}/final", {}))
+        rows += [(name.replace("rl_tiny_", "RL ").replace("_", " "), models.get(f"runs/{name}/final", {}))
                  for name in ABLATIONS]
     lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents; factuality: {backend}.", "",
              "| model | valid calls | rule pass | hallucination | combined pass | pass@1 (T=1) | pass@8 (T=1) | "
              "searches | deletes | ROUGE-L | p50 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, _, m in rows:
+    for label, m in rows:
         lines.append(f"| {label} | {_pct(m.get('valid_call_rate'))} | {_pct(m.get('rules_pass'))} | "
                      f"{_pct(m.get('hallucination_rate'))} | {_pct(m.get('pass'))} | {_pct(m.get('pass_at_1'))} | "
                      f"{_pct(m.get('pass_at_8'))} | {_num(m.get('searches'), '{:.2f}')} | "
                      f"{_num(m.get('deletes'), '{:.2f}')} | {_num(m.get('rougeL'), '{:.3f}')} | "
                      f"{_num(m.get('latency_p50_ms'), '{:.0f}')} |")
     fig = {"sft": sft, "rl": rl, "factuality_backend": backend}
+    student_ok, student_shown, speed_ok, speed_shown = None, "-", None, "-"
     if distill_json:
         t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
         lines += ["", "| distillation | p50 ms per summary | factuality | combined pass |", "|---|---|---|---|",
@@ -132,15 +141,6 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
                   f"| student (no tools) | {_num(s.get('latency_p50_ms'), '{:.0f}')} | {_pct(s.get('factuality'))} | "
                   f"{_pct(s.get('pass'))} |"]
         fig["teacher"], fig["student"] = t, s
-    # Milestones (the plan, seeds/000): each with its measured value.
-    base = models.get("runs/rl_tiny_rules_only/final") if full_json else None
-    base_label = "the rules-only RL baseline" if base else "the SFT start (run --full for the rules-only baseline)"
-    base = base or sft
-    h0, h1 = base.get("hallucination_rate"), rl.get("hallucination_rate")
-    drop = (h0 - h1) / h0 if h0 and h1 is not None and not math.isnan(h0) and not math.isnan(h1) else float("nan")
-    student_ok, student_shown, speed_ok, speed_shown = None, "-", None, "-"
-    if distill_json:
-        t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
         ms, t_ms = s.get("latency_p50_ms"), t.get("latency_p50_ms")
         gap = 100 * ((t.get("factuality") or 0) - (s.get("factuality") or 0))
         if ms is not None:
@@ -148,6 +148,11 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
             student_shown = f"{ms:.0f} ms, {_points(gap)}"
         if ms and t_ms:
             speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {_points(gap)}"
+    # Milestones (the plan, seeds/000): each with its measured value.
+    base = models.get("runs/rl_tiny_rules_only/final") if full_json else None
+    base_label = "the rules-only RL baseline" if base else "the SFT start (run --full for the rules-only baseline)"
+    h0, h1 = (base or sft).get("hallucination_rate"), rl.get("hallucination_rate")
+    drop = float("nan") if _missing(h0) or _missing(h1) or not h0 else (h0 - h1) / h0
     marks = [
         ("tool calls valid >= 95% (after SFT)", _pct(sft.get("valid_call_rate")), _ge(sft.get("valid_call_rate"), 0.95)),
         ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl.get("rules_pass")), _ge(rl.get("rules_pass"), 0.20)),
@@ -167,17 +172,6 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
                   + f"; total {total:.0f} ({total / 60:.1f} min)"]
         fig["seconds"] = seconds
     return "\n".join(lines) + "\n", fig
-
-
-def _points(gap: float) -> str:
-    """A teacher-minus-student factuality gap in points, in words."""
-    return f"factuality {abs(gap):.1f} points {'below' if gap > 0 else 'above'} the teacher"
-
-
-def _ge(x, bound: float) -> bool | None:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return None
-    return x >= bound
 
 
 def main(argv: list[str] | None = None) -> dict:
