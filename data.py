@@ -1914,8 +1914,6 @@ def regex_key_for(sentences: Sequence[str], target: int, written: str, avoid: st
     best = None
 
     def search(anchors: list[tuple[int, str, bool]], unshared: bool) -> None:
-        nonlocal best
-
         def consider(pattern: str, has_entity: bool) -> None:
             nonlocal best
             hits = _regex_hits(pattern, sentences)

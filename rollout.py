@@ -31,7 +31,6 @@ catalog: dropout left on during rollouts).
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 import urllib.error

@@ -54,7 +54,6 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence

@@ -35,7 +35,7 @@ def trace(text, document=DOC, **meta):
     ("Acme grew.<search>/(unclosed/</search> It hired.", "search not answered with results"),
     ("Acme grew.<search>   </search> It hired.", "search not answered with results"),
     ("A. " * 7 + f"B.{DEL}" * 6 + " C.", "more than 5 deletes"),
-    (f'Acme grew.<delete scope="word"/> It hired.', "malformed delete call"),
+    ('Acme grew.<delete scope="word"/> It hired.', "malformed delete call"),
     ("Acme grew. <results>made up</results> It hired.", "stray or dangling tool markup"),
     ("Acme grew. It hired <search>revenue", "stray or dangling tool markup"),
     (f"{DEL} Acme grew.", "delete with nothing to delete"),

@@ -41,7 +41,6 @@ def test_group_advantages_are_centred_not_scaled():
 def test_dr_grpo_weighs_every_token_alike_unlike_length_normalised_grpo():
     # one group of two rollouts: rewards 1 and 0, so A = +0.5 and -0.5
     adv_seq = rl.group_advantages([1.0, 0.0], 2)
-    lens = [2, 4]
     logp = torch.tensor([-1.0, -2.0, -0.5, -0.5, -1.0, -3.0], requires_grad=True)
     adv = torch.tensor([adv_seq[0]] * 2 + [adv_seq[1]] * 4)
     loss = rl.dr_grpo_loss(logp, logp.detach(), adv, n_rollouts=2, max_new_tokens=4)

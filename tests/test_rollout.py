@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import rollout as R
-import sandbox as S
 from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
 
 TOK = bpe_tokenizer()

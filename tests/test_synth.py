@@ -197,7 +197,7 @@ class _Server:
 def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
     server = _Server(DOCS)
     try:
-        keys = [f"annotator.backend=api", f"annotator.api_base={server.base}", "annotator.api_model=gpt-4o",
+        keys = ["annotator.backend=api", f"annotator.api_base={server.base}", "annotator.api_model=gpt-4o",
                 "annotator.concurrency=1", "annotator.backoff_s=0.01", "annotator.retries=3",
                 f"annotator.cache_dir={tmp_path / 'cache'}", "annotator.api_key_env=NO_SUCH_VARIABLE_SET",
                 "drafter.drafts_per_doc=1", "limit=3", "shard=0/1"]
