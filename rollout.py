@@ -441,14 +441,14 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, wanted: list[li
     logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
     t = temperature if temperature > 0 else 1.0
-    logp = F.log_softmax(logits.float() / t, dim=-1)
-    out = []
-    for b, (w, tg) in enumerate(zip(wanted, targets)):
-        if not w:
-            out.append(logp.new_zeros(0))
-            continue
-        out.append(logp[b, col[torch.tensor(w, device=dev)], torch.tensor(tg, device=dev)])
-    return out
+    # One gather for every row: the (row, position) pairs some row wants, then the
+    # log-softmax over those only. (Indexing row by row made each row's backward
+    # fill a zero tensor of the whole (B, K, V): 40% of an SFT step, measured.)
+    rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w], dtype=torch.long, device=dev)
+    cols = col[torch.tensor([p for w in wanted for p in w], dtype=torch.long, device=dev)]
+    tg = torch.tensor([x for tgt in targets for x in tgt], dtype=torch.long, device=dev)
+    logp = F.log_softmax(logits[rows, cols].float() / t, dim=-1).gather(-1, tg[:, None])[:, 0]  # (N,)
+    return list(logp.split([len(w) for w in wanted]))
 
 
 def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None, temperature: float = 1.0,
