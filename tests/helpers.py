@@ -121,3 +121,26 @@ def killed_after_checkpoint(monkeypatch, step: int):
         yield
     finally:
         monkeypatch.setattr(common, "save_checkpoint", real_save)
+
+
+# configs/ file-name prefix -> the script whose Config loads it. The longest prefix wins.
+SCRIPT_FOR_PREFIX = {
+    "sft_": "sft", "base_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
+    "filter_": "filter_traces", "eval_": "eval", "distill_": "distill", "ablation_": "rl",
+}
+
+
+def script_for(filename: str) -> str | None:
+    matches = [p for p in SCRIPT_FOR_PREFIX if filename.startswith(p)]
+    return SCRIPT_FOR_PREFIX[max(matches, key=len)] if matches else None
+
+
+def load_config_file(path):
+    """A configs/*.yaml file loaded by the Config of the script it belongs to."""
+    import importlib
+    import os
+
+    import common
+
+    module = importlib.import_module(script_for(os.path.basename(path)))
+    return common.load_config(module.Config, ["--config", str(path)])

@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 import pytest
 
+from helpers import script_for
 from common import (
     ConfigError, atomic_dir, atomic_write_text, config_to_dict, format_config, format_step,
     git_revision, load_config, MetricsWriter, parse_args, read_metrics, save_config,
@@ -410,22 +411,10 @@ def test_common_imports_without_torch():
 
 # --- every config file loads -----------------------------------------------------------
 
-# configs/ file-name prefix -> the script whose Config loads it. The longest prefix wins.
-SCRIPT_FOR_PREFIX = {
-    "sft_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
-    "filter_": "filter_traces", "eval_": "eval", "distill_": "distill", "ablation_": "rl",
-}
-
-
-def script_for(filename: str) -> str | None:
-    matches = [p for p in SCRIPT_FOR_PREFIX if filename.startswith(p)]
-    return SCRIPT_FOR_PREFIX[max(matches, key=len)] if matches else None
-
-
 @pytest.mark.parametrize("filename, script", [
     ("sft_warmup.yaml", "sft"), ("drgrpo_v17.yaml", "rl"), ("tiny.yaml", "rl"),
     ("tiny_cpu.yaml", "rl"), ("eval_heldout.yaml", "eval"), ("notes.yaml", None),
-    ("rl_v17.yaml", None),
+    ("rl_v17.yaml", None), ("base_tiny.yaml", "sft"),
 ])
 def test_script_for(filename, script):
     assert script_for(filename) == script
@@ -437,7 +426,7 @@ def test_every_config_file_loads():
         script = script_for(path.name)
         if script is None:
             failures.append(f"{path.name}: no script for this name; add its prefix to "
-                            f"SCRIPT_FOR_PREFIX in tests/test_config.py")
+                            f"SCRIPT_FOR_PREFIX in tests/helpers.py")
             continue
         try:
             module = importlib.import_module(script)

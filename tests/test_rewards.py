@@ -4,6 +4,7 @@ the combined reward and its batch API, and the news-world agreement check."""
 import dataclasses
 import json
 import math
+import os
 import random
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 import common
 import rewards as R
 import sandbox
-from helpers import DOC
+from helpers import DOC, load_config_file
 
 # ---------------------------------------------------------------------------
 # Numbers
@@ -95,7 +96,7 @@ def test_numbers_normalise_to_the_same_values():
     ("Acme's revenue rose, and Dr. Smith disagreed.", 1.0),  # possessive, honorific
     ("Jane Smith disagreed.", 0.0),  # tokens from two different people
     ("Globex and Acme Corp. reported revenue in New York.", 1.0),
-    ("Shares fell. Analysts were surprised.", 1.0),  # capitalised openers are not names
+    ("Shares fell. Analysts were surprised.", 0.0),  # capitalised openers are not names: no name stated
     ("Quarterly revenue at Acme rose.", 1.0),  # an opener the document does not know is a word
     ("Acme and Initech merged.", 0.5),
 ])
@@ -130,7 +131,7 @@ def test_spacy_ner_is_used_only_when_asked(monkeypatch):
     cfg = R.RewardConfig(rules=R.RuleConfig(ner="spacy", spacy_model="fake_model"))
     assert R.rule_scores(DOC, "Initech reported revenue.", cfg)["entities"] == 0.0
     assert calls == ["fake_model"]
-    assert R.rule_scores(DOC, "Initech reported revenue.")["entities"] == 1.0  # heuristic: a weak opener
+    assert R.rule_scores(DOC, "Initech reported revenue.")["entities"] == 0.0  # heuristic: a weak opener, no name
     assert calls == ["fake_model"]
 
 
@@ -577,7 +578,7 @@ def test_scorer_state_holds_the_curriculum():
 # ---------------------------------------------------------------------------
 # The combined reward and the batch API
 
-KEYS = ["total", "pass", "tau", "factuality", "factuality_backend", "factuality_pass", "rules", "rules_pass",
+KEYS = ["total", "pass", "tau", "gate", "factuality", "factuality_backend", "factuality_pass", "rules", "rules_pass",
         *[f"rule_{k}{p}" for k in R.RULES for p in ("", "_pass")], "budget", "cap_penalty", "tool_match",
         "tool_match_steps", "n_search", "n_delete", "n_words", "claims", "evidence"]
 
@@ -591,12 +592,14 @@ def test_score_has_every_component_and_the_documented_total():
     out = R.score_batch([(DOC, ep)], cfg, teacher={"doc-1": TEACHER})[0]
     assert list(out) == KEYS
     rules = R.rule_scores(DOC, ep)
-    assert out["rules"] == pytest.approx(sum(rules.values()) / 5)
+    assert out["rules"] == pytest.approx(sum(rules.values()) / len(R.RULES))
     assert out["factuality"] == pytest.approx(R.lexical_factuality(DOC, ep))
     assert (out["n_search"], out["n_delete"], out["budget"], out["cap_penalty"]) == (1, 1, pytest.approx(0.1), 0.0)
     match, steps = R.tool_match(ep, TEACHER)
     assert out["tool_match"] == match and out["tool_match_steps"] == steps and match > 0
-    assert out["total"] == pytest.approx(0.7 * out["factuality"] + 0.3 * out["rules"] - 0.1 + 0.2 * match)
+    assert out["gate"] == pytest.approx(rules["length"] * rules["repetition"]) and out["gate"] == 1.0
+    assert out["total"] == pytest.approx(0.7 * out["factuality"] + 0.3 * out["rules"] + 0.2 * out["pass"] - 0.1
+                                         + 0.2 * match)
     assert out["pass"] == (out["factuality"] >= 0.5 and out["rules_pass"])
     json.dumps(out)  # logs can write it as is
 
@@ -612,14 +615,82 @@ def test_pass_needs_factuality_at_tau_and_every_rule():
     assert not R.score(DOC, good, strict)["pass"]
 
 
-def test_length_gate_scales_factuality_by_the_length_score():
+def test_the_gate_scales_the_content_terms_by_length_and_repetition():
     short = "Acme Corp. reported revenue."
-    plain = R.score(DOC, short)
-    gated = R.score(DOC, short, R.RewardConfig(length_gate=True))
-    assert 0 < plain["rule_length"] < 1 and gated["factuality"] == plain["factuality"] > 0
-    assert gated["total"] == pytest.approx(plain["total"] - 0.7 * plain["factuality"] * (1 - plain["rule_length"]))
+    gated = R.score(DOC, short)
+    plain = R.score(DOC, short, R.RewardConfig(gate=False))
+    assert 0 < gated["rule_length"] < 1 and gated["gate"] == pytest.approx(gated["rule_length"]) and plain["gate"] == 1
+    assert gated["total"] == pytest.approx(gated["rule_length"] * plain["total"])
     good = "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier."
-    assert R.score(DOC, good, R.RewardConfig(length_gate=True))["total"] == pytest.approx(R.score(DOC, good)["total"])
+    assert R.score(DOC, good)["total"] == pytest.approx(R.score(DOC, good, R.RewardConfig(gate=False))["total"])
+    # tool terms stay outside the gate: a summary that says nothing still pays for its calls
+    junk = sandbox.replay(DOC, "The. The.<search>/Acme/</search>")
+    assert R.score(DOC, junk)["total"] == pytest.approx(-0.05)
+
+
+def test_the_pass_bonus_carries_tau_into_the_optimised_reward():
+    good = "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier."
+    lo = R.RewardConfig(curriculum=R.CurriculumConfig(taus=[0.5]))
+    hi = R.RewardConfig(curriculum=R.CurriculumConfig(taus=[1.01]))
+    a, b = R.score(DOC, good, lo), R.score(DOC, good, hi)
+    assert a["pass"] and not b["pass"] and a["total"] - b["total"] == pytest.approx(0.2)
+    assert R.score(DOC, good, dataclasses.replace(lo, w_pass=0.0))["total"] == pytest.approx(b["total"])
+
+
+@pytest.mark.parametrize("doc,summary,rule,expected", [
+    (DOC, "Shares fell in early trading after the results.", "numbers", 0.0),  # the document has numbers
+    (DOC, "Shares fell in early trading after the results.", "entities", 0.0),  # and names
+    ("shares fell in early trading.", "Shares fell in early trading.", "numbers", 1.0),  # nothing to state
+    ("shares fell in early trading.", "Shares fell in early trading.", "entities", 1.0),
+    (DOC, "Acme Corp. reported revenue of $4.2 billion. Acme Corp. said growth came from the U.S.", "repetition",
+     1.0),  # a name said twice is not repetition
+    # a repeated sentence: 4 of 6 trigrams distinct ((4/6 - 0.5) / 0.4), times 1 of 2 sentences distinct
+    (DOC, "Acme Corp. reported revenue. Acme Corp. reported revenue.", "repetition", pytest.approx(5 / 12 / 2)),
+    (DOC, "Acme fell. Globex rose. Acme fell.", "repetition", pytest.approx(2 / 3)),  # trigrams span sentences
+    (DOC, "on " * 30, "repetition", 0.0),
+])
+def test_rules_that_a_summary_cannot_pass_by_saying_nothing(doc, summary, rule, expected):
+    assert R.rule_scores(doc, summary)[rule] == expected
+
+
+# The audit table (measured with the old default config: a vague 24-word text scored
+# 0.942 and passed, above a faithful summary's 0.864): every config's reward must rank a
+# faithful summary above each way of saying nothing.
+AUDIT = {
+    "faithful": "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier. "
+                "Chief executive Jane K. Doe said the U.S. market drove growth.",
+    "vague": "The company reported its results for the period and said that demand for its products was strong, "
+             "and its shares moved in trading on the news.",
+    "one-liner": "Acme Corp reported revenue.",
+    "empty": "",
+    "repeated entity": "Acme Corp. " * 8,
+    "no content": "The. The. A. The.",
+    "one word looped": "on " * 60,
+    "repeated claim": "Acme Corp. reported revenue of $4.2 billion. " * 3,
+}
+
+
+def _configs_with_a_reward():
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [None] + [p for p in sorted(glob.glob(os.path.join(root, "configs", "*.yaml")))
+                     if hasattr(load_config_file(p), "reward")]
+
+
+@pytest.mark.parametrize("path", _configs_with_a_reward(), ids=lambda p: os.path.basename(p) if p else "default")
+def test_audit_table_faithful_outscores_every_way_of_saying_nothing(path):
+    cfg = R.RewardConfig() if path is None else load_config_file(path).reward
+    # fenice and the oracle need models or fact tables; the rules and the gate are what is audited
+    cfg = dataclasses.replace(cfg, factuality="lexical")
+    scores = {k: R.score(DOC, v, cfg)["total"] for k, v in AUDIT.items()}
+    print(path, {k: round(v, 3) for k, v in scores.items()})
+    for k, v in scores.items():
+        if k != "faithful":
+            assert scores["faithful"] > v + 0.2, (k, scores)
+    assert scores["faithful"] > 0.8
+    for k in ("empty", "repeated entity", "no content", "one word looped"):
+        assert scores[k] == 0.0, (k, scores)
 
 
 def test_delete_cap_lowers_the_reward():
