@@ -1824,11 +1824,13 @@ def entity_mentions(text: str, doc_entities: dict[str, str], doc_words: frozense
             taken.append((a, b))
             out.append(Mention("entity", name, a, b, name, lex[name], name in doc_entities))
     # Unknown capitalised words: a run of them is one name. A sentence opener is
-    # capitalised anyway, so it counts only as the first word of a longer run.
+    # capitalised anyway, so it counts only as the first word of a longer run, or
+    # of a name whose next word is known ("Northwind Group ..." in an article about
+    # Granite Group: a made-up company, not an ordinary opening word).
     run: list[re.Match] = []
 
-    def flush() -> None:
-        if run and not (len(run) == 1 and opener(run[0])):
+    def flush(name_goes_on: bool = False) -> None:
+        if run and not (len(run) == 1 and opener(run[0]) and not name_goes_on):
             a, b = run[0].start(), run[-1].end()
             out.append(Mention("entity", text[a:b], a, b, None, None, False))
             taken.append((a, b))
@@ -1840,7 +1842,8 @@ def entity_mentions(text: str, doc_entities: dict[str, str], doc_words: frozense
     for m in _CAP_TOKEN.finditer(text):
         known = (_overlaps(m.start(), m.end(), taken) or m.group() in doc_words or m.group() in _CAP_OK)
         if known or (run and text[run[-1].end():m.start()].strip()):
-            flush()
+            adjacent = bool(run) and text[run[-1].end():m.start()] == " " and m.group() not in _CAP_OK
+            flush(name_goes_on=known and adjacent)
         if not known:
             run.append(m)
     flush()
@@ -2225,6 +2228,38 @@ def oracle_errors(doc: Document, summary: str) -> list[dict]:
     return labels
 
 
+def stated_facts(doc: Document, summary: str) -> list[dict]:
+    """Every name, number and date `summary` states, and whether the oracle finds
+    it supported: one dict per mention (sentence index, kind, text, supported). A
+    mention is unsupported when an oracle error covers it or its whole sentence
+    states nothing the article supports. Fact precision is the supported share."""
+    view = DocView(doc)
+    out = []
+    for idx, sentence in enumerate(sandbox.split_sentences(summary)):
+        taken: list[tuple[int, int]] = []
+        mentions = [("name", m.start, m.end) for m in entity_mentions(sentence, view.entities, view.words, taken)]
+        mentions += [(m.kind, m.start, m.end) for m in parse_quantities(sentence, taken)]
+        _, errors = _check_sentence(view, sentence)
+        whole = any(e.type == "unsupported" for e in errors)
+        for kind, a, b in sorted(mentions, key=lambda m: m[1]):
+            bad = whole or any(e.start < b and a < e.end for e in errors if e.type != "negation")
+            out.append({"sentence": idx, "kind": "number" if kind == "qty" else kind, "text": sentence[a:b],
+                        "supported": not bad})
+    return out
+
+
+def oracle_support(doc: Document, sentence: str) -> list[int]:
+    """Indices of the article sentences that state the facts `sentence` is about
+    (the fact it most likely states, and the facts its errors should have taken
+    their values from); empty when it states nothing the article supports."""
+    view = DocView(doc)
+    anchor, errors = _check_sentence(view, sentence)
+    if anchor is None:
+        return []
+    facts = [anchor] + [e.target for e in errors if e.target is not None]
+    return sorted({s.d["sentence"] for s in facts})
+
+
 def _unsupported_key(sentence: str) -> str:
     """A search for the claim's most specific word: it shows the article has no support for it."""
     names = re.findall(r"[A-Z][\w'-]+(?:\s[A-Z][\w'-]+)*", sentence[1:])
@@ -2548,6 +2583,71 @@ def cluster_documents(docs: Sequence[Document], threshold: float = 0.25, num_per
     for i in ids:
         members[root(i)].append(i)
     return {i: "c-" + min(members[root(i)]) for i in ids}
+
+
+def read_manifest(path: str) -> dict:
+    """A split manifest (`data.py split --out`); a missing or malformed file is a DataError naming it."""
+    if not os.path.exists(path):
+        raise DataError(f"split manifest {path} does not exist (make one with `python data.py split --docs "
+                        f"DOCS --out {path}`)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        manifest["pools"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a split manifest ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def pool_documents(docs: Sequence[Document], manifest: dict, pools: str | Sequence[str],
+                   where: str = "the manifest") -> list[Document]:
+    """The documents of `pools` (one name or several), in the order of `docs`,
+    each checked against the manifest's content hash: a document changed since
+    the split was frozen is not the one the split put there (LeakError)."""
+    wanted = (pools,) if isinstance(pools, str) else tuple(pools)
+    entries = {e["id"]: e for p in wanted for e in manifest["pools"].get(p, [])}
+    out = [d for d in docs if d.id in entries]
+    for d in out:
+        if content_hash(d.text) != entries[d.id]["sha256"]:
+            raise LeakError(f"document {d.id} changed since {where} was frozen (content hash differs)")
+    return out
+
+
+class LeakGuard:
+    """Near-duplicate test of new documents against a fixed set (held-out pools):
+    the same features, LSH and exact-Jaccard threshold as `cluster_documents`,
+    so a generated document that would have joined a held-out cluster is caught.
+
+        guard = LeakGuard(eval_and_never_touch_docs, **manifest["clustering"])
+        guard.match(doc)  # the held document id it duplicates, or None
+    """
+
+    def __init__(self, held: Sequence[Document], threshold: float = 0.25, num_perm: int = 128, shingle: int = 3,
+                 entity_weight: int = 8):
+        from datasketch import MinHashLSH
+
+        self.threshold, self.num_perm, self.shingle, self.entity_weight = threshold, num_perm, shingle, entity_weight
+        self.lsh = MinHashLSH(threshold=max(0.05, 0.7 * threshold), num_perm=num_perm)
+        self.features: dict[str, frozenset[str]] = {}
+        for d in held:
+            feats = frozenset(doc_features(d.text, shingle, entity_weight))
+            self.features[d.id] = feats
+            self.lsh.insert(d.id, self._sketch(feats))
+
+    def _sketch(self, feats):
+        from datasketch import MinHash
+
+        mh = MinHash(num_perm=self.num_perm, seed=1)
+        mh.update_batch([f.encode("utf-8") for f in sorted(feats)])
+        return mh
+
+    def match(self, doc: Document) -> str | None:
+        feats = frozenset(doc_features(doc.text, self.shingle, self.entity_weight))
+        for j in sorted(self.lsh.query(self._sketch(feats))):
+            other = self.features[j]
+            if len(feats & other) >= self.threshold * len(feats | other):
+                return j
+        return None
 
 
 def make_split(docs: Sequence[Document], fractions: Sequence[float] = (0.8, 0.1, 0.1), seed: int = 0,

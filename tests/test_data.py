@@ -281,6 +281,42 @@ def test_check_split_fails_loudly_on_a_planted_leak():
         data.check_split(planted, docs + [twin])
 
 
+def test_pool_documents_keep_file_order_and_check_content_hashes():
+    docs = small_world()
+    manifest = data.make_split(docs, seed=0)
+    evals = data.pool_documents(docs, manifest, "eval")
+    assert [d.id for d in evals] == [d.id for d in docs if d.id in {e["id"] for e in manifest["pools"]["eval"]}]
+    both = data.pool_documents(docs, manifest, ("eval", "never_touch"))
+    assert len(both) == manifest["counts"]["eval"] + manifest["counts"]["never_touch"]
+    changed = [Document(d.id, d.text + " Updated.") if d.id == evals[0].id else d for d in docs]
+    with pytest.raises(LeakError, match=rf"{evals[0].id} changed since split.json was frozen"):
+        data.pool_documents(changed, manifest, "eval", "split.json")
+
+
+def test_read_manifest_names_the_file_when_missing_or_malformed(tmp_path):
+    with pytest.raises(DataError, match=r"nope.json does not exist .*data.py split"):
+        data.read_manifest(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1}')
+    with pytest.raises(DataError, match="bad.json: not a split manifest"):
+        data.read_manifest(str(bad))
+
+
+def test_leak_guard_catches_a_generated_twin_of_a_held_out_document():
+    docs = small_world()
+    manifest = data.make_split(docs, seed=0)
+    held = data.pool_documents(docs, manifest, ("eval", "never_touch"))
+    guard = data.LeakGuard(held, **manifest["clustering"])
+    twin = Document("fresh-1", " ".join(reversed(data.sandbox.split_sentences(held[3].text))))
+    assert guard.match(twin) == held[3].id  # a retelling of a held-out event is kept out
+    assert guard.match(held[0]) == held[0].id
+    train = data.pool_documents(docs, manifest, "train")
+    fresh = list(data.newsworld(200, seed=7))  # another world: its events are new
+    assert sum(guard.match(d) is not None for d in fresh) <= 4
+    # it agrees with the clustering: a training document never shares a cluster with a held-out one
+    assert all(guard.match(d) is None for d in train)
+
+
 def test_check_split_detects_changed_and_unknown_documents():
     docs = small_world()
     manifest = data.make_split(docs, seed=0)

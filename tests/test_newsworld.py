@@ -217,6 +217,35 @@ def test_oracle_corrections_and_keys_for_free_text():
     assert rev not in label["regex_key"]  # the key must not give the answer away
 
 
+def test_a_made_up_name_that_opens_a_sentence_is_an_error():
+    d = earnings_doc()
+    f = {x["kind"].split(".")[1]: x for x in d.facts}
+    c, rev, date = f["rev"]["subject"], f["rev"]["value"], f["rev"]["date"]
+    good = f"{c} reported revenue of {rev} for the quarter ended {date}."
+    made_up = "Zorblax " + c.split()[-1]  # a new first word before the article's own second word
+    assert data.oracle_errors(d, good) == []
+    assert [(e["type"], e["error_span"]) for e in data.oracle_errors(d, good.replace(c, made_up))] == [
+        ("entity_swap", "Zorblax")]
+    opener = f"Shares of {c} rose after the report."  # an ordinary opening word is not a name
+    assert "entity_swap" not in {e["type"] for e in data.oracle_errors(d, opener)}
+
+
+def test_stated_facts_and_support_sentences():
+    d = earnings_doc()
+    f = {x["kind"].split(".")[1]: x for x in d.facts}
+    c, rev, date = f["rev"]["subject"], f["rev"]["value"], f["rev"]["date"]
+    good = f"{c} reported revenue of {rev} for the quarter ended {date}."
+    stated = data.stated_facts(d, good)
+    assert [(x["kind"], x["text"]) for x in stated] == [("name", c), ("number", rev), ("date", date)]
+    assert all(x["supported"] for x in stated)
+    wrong = data.stated_facts(d, good.replace(rev, "$999.9 billion") + " The weather was pleasant in Zorbia.")
+    assert [x["supported"] for x in wrong] == [True, False, True] + [False] * (len(wrong) - 3)
+    assert data.oracle_support(d, good) == [f["rev"]["sentence"]]
+    # a wrong value's sentence is about the fact whose value it should have taken
+    assert f["rev"]["sentence"] in data.oracle_support(d, good.replace(rev, f["prior"]["value"]))
+    assert data.oracle_support(d, "The weather was pleasant.") == []
+
+
 def test_oracle_never_raises_on_junk_and_needs_a_fact_table():
     d = WORLD[0]
     rng = random.Random(0)
