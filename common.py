@@ -723,14 +723,19 @@ def count_parameters(model, trainable: bool = False) -> int:
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>")
 
 # Each turn is `<|role|>content<|eot|>`; the generation prompt is `<|assistant|>`, so
-# a completion is the assistant's text followed by `<|eot|>`.
+# a completion is the assistant's text followed by `<|eot|>`. A system message is
+# rendered as its marker alone: a tiny model is trained from scratch on the protocol
+# and reads no instructions, and the tool description (87 of its tokens) was 40% of
+# every news-world prompt, so of every training sequence and every prefill.
+# Real chat models keep their own template and read the whole system prompt.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('unknown chat role: ' + message['role']) }}"
     "{% endif %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|eot|>"
+    "{% if message['role'] == 'system' %}<|system|><|eot|>"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|eot|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -740,7 +745,7 @@ TOKENIZER_DOCS = 2000      # news-world documents the tokenizer is trained on
 TOKENIZER_SEED = 1         # fixed: every preset and model seed shares one vocabulary
 TINY_MAX_POSITIONS = 4096
 TINY_MARKER = "tiny_model.json"
-TINY_FORMAT = 1            # bump when the build changes, so old directories are rebuilt
+TINY_FORMAT = 2            # bump when the build changes, so old directories are rebuilt
 
 # Llama shapes. tiny-1m is the CPU default (DESIGN section 6: the smallest preset
 # is the one that learns within minutes on two cores); the larger ones use
