@@ -64,7 +64,7 @@ from rank_bm25 import BM25Okapi
 PROTOCOL_VERSION = 1
 EPISODE_VERSION = 1
 
-SYSTEM_PROMPT = (  # short: with tiny models the prompt is most of every training sequence
+SYSTEM_PROMPT = (  # what a chat model reads about the tools (the tiny template leaves it out: common.CHAT_TEMPLATE)
     "Summarise the article in a few factual sentences. <search>QUERY</search> finds its sentences "
     '(QUERY is /REGEX/ or keywords); <delete scope="sentence"/> or <delete scope="clause"/> '
     "retracts what you just wrote."
@@ -537,11 +537,16 @@ class _Seg:
     text: str
     cls: list[tuple[int, int, str]]  # (start, end, class) covering text
     bounds: list[tuple[int, int]]
+    origin: tuple[int, int] | None = None  # (turn, offset in its text) of text[0], for generated text
 
     @classmethod
-    def atomic(cls, ids, text, label=None, spans=None) -> "_Seg":
+    def atomic(cls, ids, text, label=None, spans=None, origin=None) -> "_Seg":
         spans = spans if spans is not None else [(0, len(text), label)]
-        return cls(list(ids), text, spans, [(0, 0), (len(ids), len(text))])
+        return cls(list(ids), text, spans, [(0, 0), (len(ids), len(text))], origin)
+
+
+def _shifted(origin: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
+    return None if origin is None else (origin[0], origin[1] + by)
 
 
 def _classes_between(spans, a: int, b: int) -> list[tuple[int, int, str]]:
@@ -557,12 +562,13 @@ def _classes_between(spans, a: int, b: int) -> list[tuple[int, int, str]]:
 def _sub(seg: _Seg, t1: int, o1: int, t2: int, o2: int) -> _Seg:
     """Tokens t1..t2 of `seg` (characters o1..o2), verbatim."""
     inner = [(t - t1, o - o1) for t, o in seg.bounds if t1 <= t <= t2 and o1 <= o <= o2]
-    return _Seg(seg.ids[t1:t2], seg.text[o1:o2], _classes_between(seg.cls, o1, o2), inner)
+    return _Seg(seg.ids[t1:t2], seg.text[o1:o2], _classes_between(seg.cls, o1, o2), inner, _shifted(seg.origin, o1))
 
 
 def _reencode(codec: Codec, seg: _Seg, a: int, b: int) -> _Seg:
     text = seg.text[a:b]
-    return _Seg.atomic(codec.encode(text), text, spans=_classes_between(seg.cls, a, b))
+    return _Seg.atomic(codec.encode(text), text, spans=_classes_between(seg.cls, a, b),
+                       origin=_shifted(seg.origin, a))
 
 
 def _last_bound(seg: _Seg, o: int) -> tuple[int, int]:
@@ -633,6 +639,23 @@ class _Stream:
                 gap = False
         return "".join(parts), runs
 
+    def retracted(self, cut: tuple[int, int], tag_seg: int, tag_start: int) -> list[tuple[int, int, int]]:
+        """(turn, start, end): the generated summary text between the cut and the
+        delete tag, as character ranges of the turns that wrote it."""
+        k, o = cut
+        out = []
+        for j in range(k, tag_seg + 1):
+            seg = self.segs[j]
+            if seg.origin is None:
+                continue
+            lo = o if j == k else 0
+            hi = tag_start if j == tag_seg else len(seg.text)
+            for s, e, c in seg.cls:
+                a, b = max(s, lo), min(e, hi)
+                if c == TEXT and a < b:
+                    out.append((seg.origin[0], seg.origin[1] + a, seg.origin[1] + b))
+        return out
+
     def prune(self, codec: Codec, cut: tuple[int, int], tag_seg: int, tag_start: int) -> tuple[int, list[int]]:
         """Cut the stream at (seg, char); after the cut keep only the evidence
         (tool calls and results, in order), then the delete tag (segment
@@ -687,8 +710,10 @@ class Turn:
     call that ended it (None for end-of-turn or truncation), `injected` the text
     appended after it (a results or error block; "" after a successful delete).
     Token fields are present for sampled episodes: `ids` (end-of-turn id
-    included), sampler `logprobs`, `inj_ids`, and for a delete `prune` =
-    (ids of the old context kept, ids appended after them).
+    included), sampler `logprobs`, `inj_ids`, for a delete `prune` = (ids of
+    the old context kept, ids appended after them), and `masked`: indices of
+    the ids that hold text a later delete retracted (error-masked training
+    leaves them out of the loss; see `Episode.branches`).
     """
     text: str
     call: Call | None = None
@@ -698,13 +723,14 @@ class Turn:
     logprobs: list[float] | None = None
     inj_ids: list[int] | None = None
     prune: tuple[int, list[int]] | None = None
+    masked: list[int] | None = None
 
     def to_dict(self) -> dict:
         d = {"text": self.text, "call": self.call.to_dict() if self.call else None,
              "injected": self.injected, "ended": self.ended}
         if self.ids is not None:
             d.update(ids=self.ids, logprobs=self.logprobs, inj_ids=self.inj_ids,
-                     prune=[self.prune[0], self.prune[1]] if self.prune else None)
+                     prune=[self.prune[0], self.prune[1]] if self.prune else None, masked=self.masked)
         return d
 
     @classmethod
@@ -712,7 +738,8 @@ class Turn:
         call = Call(**d["call"]) if d.get("call") else None
         prune = d.get("prune")
         return cls(d["text"], call, d.get("injected", ""), d.get("ended", "eos"), d.get("ids"),
-                   d.get("logprobs"), d.get("inj_ids"), (prune[0], list(prune[1])) if prune else None)
+                   d.get("logprobs"), d.get("inj_ids"), (prune[0], list(prune[1])) if prune else None,
+                   d.get("masked"))
 
 
 @dataclass
@@ -771,7 +798,8 @@ class Episode:
     def tokenized(self, tokenizer, eos_id: int | None = None) -> "Episode":
         """This episode with token ids: itself if it has them (sampled ids are
         never re-encoded), else the canonical tokenisation of its text: the prompt
-        from the chat template, each turn's text encoded on its own, the stored
+        from the chat template, each turn's text encoded on its own (its summary
+        text and its call markup apart), the stored
         results encoded on their own, deletes pruned by the same `EpisodeBuilder`
         the rollout engine uses, end-of-turn appended to a finished last turn."""
         if self.has_ids:
@@ -783,7 +811,11 @@ class Episode:
         b = EpisodeBuilder(self.document, prompt, codec, eos_ids=[eos_id] if eos_id is not None else [],
                            doc_id=self.doc_id)
         for turn in self.turns:
-            ids = codec.encode(turn.text)
+            # The summary text and the call markup are encoded apart, so no id holds
+            # both (a merged ".<" would tie the search decision to the sentence before it,
+            # and error masking, which drops retracted text, would drop the markup with it).
+            cut = turn.call.start if turn.call else len(turn.text)
+            ids = codec.encode(turn.text[:cut]) + codec.encode(turn.text[cut:])
             if turn.ended == "eos" and eos_id is not None:
                 ids.append(eos_id)
             for i in ids:
@@ -805,11 +837,13 @@ class Episode:
             ctx = stream[:t.prune[0]] + t.prune[1] if t.prune else stream
         return out
 
-    def branches(self, tokenizer=None, eos_id: int | None = None) -> list[Branch]:
+    def branches(self, tokenizer=None, eos_id: int | None = None, mask_retracted: bool = False) -> list[Branch]:
         """Training sequences (DESIGN.md section 4): consecutive turns whose
         contexts extend each other form one branch; a delete starts a new branch
         whose prefix is the pruned context. Each generated id has loss mask 1 in
-        exactly the branch it was generated in."""
+        exactly the branch it was generated in; with `mask_retracted`, 0 where
+        it holds text a later delete retracted (`Turn.masked`): the error is
+        context for the search and delete after it, not a target."""
         ep = self.tokenized(tokenizer, eos_id) if not self.has_ids else self
         out: list[Branch] = []
         cur: Branch | None = None
@@ -820,7 +854,8 @@ class Episode:
             start = len(cur.input_ids)
             lp = t.logprobs if t.logprobs is not None else [math.nan] * len(t.ids)
             cur.input_ids += t.ids
-            cur.loss_mask += [1] * len(t.ids)
+            masked = set(t.masked or ()) if mask_retracted else ()
+            cur.loss_mask += [0 if j in masked else 1 for j in range(len(t.ids))]
             cur.logprobs += list(lp)
             cur.turns.append((i, start, start + len(t.ids)))
             inj = t.inj_ids or []
@@ -879,8 +914,13 @@ def check_branches(ep: Episode, branches: list[Branch], tokenizer, eos_ids: Iter
                 start = None
         spans = [(s, e) for _, s, e in b.turns if e > s]
         if runs != spans:
-            raise MaskError(f"{name} branch {bi}: trained positions {runs[:4]} are not the turns' generated "
-                            f"ids {spans[:4]}")
+            # Error masking (`branches(mask_retracted=True)`) leaves out exactly the masked ids.
+            want = {s + j for ti, s, e in b.turns for j in range(e - s) if j not in set(ep.turns[ti].masked or ())}
+            got = {p for p, m in enumerate(b.loss_mask) if m}
+            masked_run = want == got and any(ep.turns[ti].masked for ti, _, _ in b.turns)
+            if not masked_run:
+                raise MaskError(f"{name} branch {bi}: trained positions {runs[:4]} are not the turns' generated "
+                                f"ids {spans[:4]}")
         for ti, s, e in b.turns:
             ids = [i for i in b.input_ids[s:e] if i not in eos]
             text = codec.decode(ids)
@@ -984,6 +1024,7 @@ class EpisodeBuilder:
         self._lps: list[float] = []
         self._tail = ""
         self._stopped = False
+        self._bounds: list[list[tuple[int, int]]] = []  # clean token boundaries of each turn's ids
 
     # streaming -----------------------------------------------------------
 
@@ -1027,9 +1068,10 @@ class EpisodeBuilder:
         call = parse_call(text, stop) if stop is not None else None
         truncated = reason == "truncated"
         ended = "truncated" if truncated else "call" if call else "eos"
-        seg = _Seg(list(ids), text, self._classes(text, call, final=call is None), bounds)
-        turn = Turn(text, call, "", ended, list(ids), lps if len(lps) == len(ids) else None, [], None)
         ep = self.episode
+        seg = _Seg(list(ids), text, self._classes(text, call, final=call is None), bounds, (len(ep.turns), 0))
+        turn = Turn(text, call, "", ended, list(ids), lps if len(lps) == len(ids) else None, [], None)
+        self._bounds.append(bounds)
         ep.turns.append(turn)
         self.stream.append(seg)
         if call is None or truncated:  # out of tokens: a completed call is recorded, not run
@@ -1118,7 +1160,20 @@ class EpisodeBuilder:
             c = len(summary[:a].rstrip())
         call.deleted = summary[c:].strip()
         cut = self._locate(c, runs)
+        for t, a, b in self.stream.retracted(cut, tag_seg, call.start):
+            self._mask(t, a, b)
         return self.stream.prune(self.codec, cut, tag_seg, call.start)
+
+    def _mask(self, t: int, a: int, b: int) -> None:
+        """Mark the ids of turn t that hold any of its characters a..b-1 (a token
+        between two clean boundaries counts as a whole)."""
+        turn = self.episode.turns[t]
+        hit = set(turn.masked or ())
+        bounds = self._bounds[t]
+        for (t0, o0), (t1, o1) in zip(bounds, bounds[1:]):
+            if o0 < b and a < o1:
+                hit.update(range(t0, t1))
+        turn.masked = sorted(hit)
 
     def _locate(self, c: int, runs) -> tuple[int, int]:
         """Stream position (seg, char) just after summary character c-1."""
@@ -1175,7 +1230,7 @@ def replay(document: str, assistant_text: str, length_fn: Callable[[str], int] |
         i += 1
     ep = b.finish()
     for t in ep.turns:  # character ids are not a tokenisation: keep the text record only
-        t.ids = t.logprobs = t.inj_ids = t.prune = None
+        t.ids = t.logprobs = t.inj_ids = t.prune = t.masked = None
     ep.prompt_ids = None
     return ep
 

@@ -47,6 +47,68 @@ def test_sequence_loss_equals_a_hand_computation(tiny):
     assert torch.allclose(got, total / n, atol=1e-5)
 
 
+def _hand_loss(model, ep, mask_retracted):
+    total, count = 0.0, 0
+    for b in ep.branches(mask_retracted=mask_retracted):
+        ids = torch.tensor([b.input_ids])
+        logits = model(input_ids=ids).logits[0]
+        for pos, m in enumerate(b.loss_mask):
+            if m:
+                total += F.cross_entropy(logits[pos - 1:pos], ids[0, pos:pos + 1], reduction="sum")
+                count += 1
+    return total, count
+
+
+WRONG = "Zanzibar Quokka fell 9%."  # words that appear nowhere else: not in the document, the query or the rewrite
+MASK_DOC = "Acme rose 5%. Globex fell 3% in May."
+
+
+def test_error_masking_trains_no_retracted_character(tiny):
+    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    text = (f"Globex fell 3% in May. {WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%. "
+            f"Acme hired.<delete scope=\"clause\"/> Globex, in May, fell 3%.")
+    ep = S.replay(MASK_DOC, text).tokenized(tok)
+    masked = [(t, j) for t in ep.turns for j in (t.masked or ())]
+    assert masked and ep.summary == "Globex fell 3% in May. Acme rose 5%. Globex, in May, fell 3%."
+    # every trained id of every branch decodes to kept text or markup: no retracted word among them
+    trained = "".join(tok.decode([i]) for b in ep.branches(mask_retracted=True)
+                      for i, m in zip(b.input_ids, b.loss_mask) if m)
+    assert not any(w in trained for w in ("Zanzibar", "Quokka", "9%", "hired"))
+    assert "<search>/Acme/</search>" in trained and '<delete scope="sentence"/>' in trained and "Acme rose 5%." in trained
+    # the masked ids hold exactly the retracted text (the deleted sentence and clause)
+    retracted = "".join(tok.decode([t.ids[j]]) for t, j in masked)
+    assert "".join(retracted.split()) == "".join((WRONG + "Acme hired.").split())
+    # the loss: exactly the cross-entropy of the unmasked generated ids, branch by branch
+    n = sft.n_generated(ep, mask_retracted=True)
+    total, count = _hand_loss(model, ep, True)
+    assert count == n == sft.n_generated(ep) - len(masked)
+    assert torch.allclose(sft.sequence_loss(model, [ep], n, mask_retracted=True), total / n, atol=1e-5)
+    S.check_branches(ep, ep.branches(mask_retracted=True), tok)
+
+
+def test_error_masking_off_trains_every_generated_id_as_before(tiny):
+    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    ep = S.replay(MASK_DOC, f"{WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%.").tokenized(tok)
+    plain = ep.branches()
+    assert [b.loss_mask for b in ep.branches(mask_retracted=False)] == [b.loss_mask for b in plain]
+    assert sum(sum(b.loss_mask) for b in plain) == sft.n_generated(ep)
+    n = sft.n_generated(ep)
+    total, count = _hand_loss(model, ep, False)
+    assert count == n
+    assert torch.allclose(sft.sequence_loss(model, [ep], n), total / n, atol=1e-5)
+    trained = "".join(tok.decode([i]) for b in plain for i, m in zip(b.input_ids, b.loss_mask) if m)
+    assert "Zanzibar" in trained  # without masking the error is a target
+
+
+def test_a_plain_mask_check_rejects_a_masked_branch_without_masked_ids(tiny):
+    tok = common.load_tokenizer(tiny)
+    ep = S.replay(MASK_DOC, "Acme rose 5%.<search>/Acme/</search> Globex fell 3% in May.").tokenized(tok)
+    (b, *_), = [ep.branches()]
+    bad = S.Branch(b.input_ids, [0 if i == b.turns[0][1] else m for i, m in enumerate(b.loss_mask)], b.logprobs, b.turns)
+    with pytest.raises(S.MaskError):  # a dropped id that no delete retracted is a mask bug, not masking
+        S.check_branches(ep, [bad], tok)
+
+
 def test_epoch_batches_cover_each_item_once_and_repeat_by_seed():
     lengths = [i % 7 for i in range(50)]
     a = sft.epoch_batches(50, lengths, 8, 2, seed=1, epoch=0)
