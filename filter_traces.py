@@ -100,6 +100,7 @@ class Config:
     factuality: Literal["lexical", "oracle", "fenice"] = "lexical"  # scorer of the gain
     gain_min: float = 0.05
     result_tokens: int = 200  # policy tokens per results block
+    limits: dict[str, int] = field(default_factory=dict)  # other sandbox limits of the replay (as the synth run's)
     dedup_threshold: float = 0.9  # Jaccard of word shingles
     dedup_num_perm: int = 128  # MinHash permutations
     dedup_shingle: int = 3  # words per shingle
@@ -219,10 +220,10 @@ def factuality_batch(pairs: Sequence[tuple[data.Document | str, str]], backend: 
 
 
 def refit_results(ep: sandbox.Episode, length_fn: Callable[[str], int], result_tokens: int,
-                  max_deletes: int = 5) -> tuple[sandbox.Episode, int]:
+                  max_deletes: int = 5, limits: dict | None = None) -> tuple[sandbox.Episode, int]:
     """The trace replayed with the policy's length function, and how many results blocks changed."""
-    new = sandbox.replay(ep.document, ep.text, length_fn=length_fn, result_tokens=result_tokens,
-                         max_deletes=max_deletes)
+    new = sandbox.replay(ep.document, ep.text, length_fn=length_fn,
+                         **{**(limits or {}), "result_tokens": result_tokens, "max_deletes": max_deletes})
     new.doc_id, new.meta = ep.doc_id, ep.meta
     changed = sum(a.injected != b.injected for a, b in zip(ep.turns, new.turns))
     return new, changed
@@ -514,7 +515,7 @@ def main(cfg: Config) -> dict:
 
     refit, changed = [], 0
     for ep in tqdm(eps, desc="token budget", unit="trace", leave=False, file=sys.stderr, mininterval=1.0):
-        new, n = refit_results(ep, length_fn, cfg.result_tokens, cfg.max_deletes)
+        new, n = refit_results(ep, length_fn, cfg.result_tokens, cfg.max_deletes, cfg.limits)
         refit.append(new)
         changed += n
     eps = funnel.record("token budget", len(eps), refit, Counter(), retruncated_blocks=changed)

@@ -135,6 +135,10 @@ class DrafterConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # draft k of a doc uses one each
     max_rounds: int = 3  # model: corrections (teacher calls) per trace; errors left after are recorded
+    # model: after each correction the drafter writes on from the edited context (the plan's
+    # step 3, one generation per round); false corrects every error of the first draft in one
+    # pass, as the news world drafter does (one generation per trace)
+    continuation: bool = True
 
 
 @dataclass
@@ -150,8 +154,17 @@ class Config:
     shard: str = "0/1"  # i/n: documents whose id hashes to i mod n (--shard i/n)
     batch_docs: int = 64  # documents per batch (teacher concurrency, drafter rollouts)
     search_rate: float = 0.25  # share of correct sentences followed by a search-only positive
-    search_query: Literal["regex", "bm25", "mix"] = "regex"  # query style of the positives (see docstring)
+    # Query style. regex / bm25 / mix: corrections search the teacher's regex keys, positives
+    # use this style (see docstring). own: every search is the sentence just written, as a
+    # BM25 query (corrections and positives alike), the key a policy can write itself;
+    # own_words: the same without the words that hold a digit (its values).
+    search_query: Literal["regex", "bm25", "mix", "own", "own_words"] = "regex"
+    # teacher: the rewrite after a delete is the teacher's corrected sentence; evidence: the
+    # sentence of the last search's results that states it (`evidence_correction`), so the
+    # rewrite is a copy of the evidence the trace fetched
+    correction: Literal["teacher", "evidence"] = "teacher"
     max_deletes: int = 5  # sandbox delete cap during replay
+    limits: dict[str, int] = field(default_factory=dict)  # other sandbox limits (sandbox.Limits names), e.g. top_k
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     annotator: TeacherConfig = field(default_factory=TeacherConfig)
     judge: TeacherConfig = field(default_factory=lambda: TeacherConfig(backend="none"))
@@ -251,31 +264,66 @@ def group_labels(labels: Sequence[dict]) -> dict[int, list[dict]]:
     return dict(groups)
 
 
+def own_query(sentence: str) -> str:
+    """The sentence itself as a BM25 query: the key a policy can always write (it
+    copies what it just wrote), never the corrected value it does not know yet.
+    Slashes and angle brackets are dropped, so it never reads as a regex or markup,
+    and so is the closing punctuation: "X rose." then `<search>` outside a query,
+    "X rose" then `</search>` inside one, a difference a tiny model can see."""
+    return " ".join(re.sub(r"[/<>]", " ", sentence).split()).rstrip(" .!?;:")
+
+
+def own_words_query(sentence: str) -> str:
+    """`own_query` without the words that hold a digit: the sentence's names and
+    words, not its values (likely the wrong ones, and the ones a rewrite must not copy)."""
+    return " ".join(w for w in own_query(sentence).split() if not any(c.isdigit() for c in w)).rstrip(" ,;:")
+
+
+def evidence_correction(document: str, query: str, corrected: str, min_cosine: float = 0.5, top_k: int = 3) -> str:
+    """The result sentence of `query` closest to the teacher's `corrected` sentence
+    (TF-IDF cosine), when it reaches `min_cosine`; else `corrected`. A rewrite the
+    results hold verbatim is one a policy can copy from the evidence it fetched."""
+    if not corrected:
+        return corrected
+    index = sandbox.index_for(document)
+    res = index.search(query, top_k)
+    best = max(((tfidf_cosine(document, corrected, index.sentences[h]), index.sentences[h]) for h in res.hits or []),
+               default=(0.0, ""))
+    return best[1] if best[0] >= min_cosine else corrected
+
+
 def render(sentences: Sequence[str], groups: dict[int, list[dict]], query_fn: Callable[[str], str | None],
            rng: random.Random, search_rate: float, ends_trace: bool = True,
-           avoid: set[int] = frozenset()) -> tuple[str, list[dict]]:
+           avoid: set[int] = frozenset(), own: Callable[[str], str] | None = None,
+           rewrite: Callable[[str, str], str] | None = None) -> tuple[str, list[dict]]:
     """Assistant text for consecutive summary sentences, and the corrections made.
 
     A sentence with labels is followed by one regex search per distinct key (two
-    at most), a sentence delete and its corrected sentence (the labels of one
-    sentence share it; none when the teacher says drop the sentence). Another
-    sentence gets a search-only positive with probability `search_rate`,
-    except the last one of the trace (a trace never ends on a search) and those
-    in `avoid` (known wrong, left uncorrected).
+    at most; with `own`, one BM25 search for `own(sentence)`), a sentence
+    delete and its corrected sentence (the labels of one sentence share it;
+    none when the teacher says drop the sentence). Another sentence gets a
+    search-only positive with probability `search_rate` (`query_fn`'s query, or
+    `own(sentence)`), except the last one of the trace (a trace
+    never ends on a search) and those in `avoid` (known wrong, left uncorrected).
+    `rewrite(query, corrected)`, if given, replaces each corrected sentence
+    (`evidence_correction`: the result sentence that states it).
     """
     parts, corrections = [], []
     last = len(sentences) - 1 if ends_trace else len(sentences)
     for i, s in enumerate(sentences):
         labs = groups.get(i)
         if labs:
-            keys = list(dict.fromkeys(lab["regex_key"] for lab in labs))[:2]
+            keys = [own(s)] if own else list(dict.fromkeys(lab["regex_key"] for lab in labs))[:2]
+            queries = keys if own else [f"/({k})/" for k in keys]
             fixed = next((lab["corrected_clause"].strip() for lab in labs if lab["corrected_clause"].strip()), "")
-            parts.append(s + "".join(f"<search>/({k})/</search>" for k in keys) + DELETE_TAG
+            if rewrite is not None:
+                fixed = rewrite(queries[-1], fixed)
+            parts.append(s + "".join(f"<search>{q}</search>" for q in queries) + DELETE_TAG
                          + (" " + fixed if fixed else ""))
             corrections.append({"sentence": s, "corrected": fixed, "keys": keys,
                                 "types": [lab.get("type", "unknown") for lab in labs]})
         elif i < last and i not in avoid and search_rate > 0 and rng.random() < search_rate:
-            q = query_fn(s)
+            q = own(s) if own else query_fn(s)
             parts.append(s + (f"<search>{q}</search>" if q else ""))
         else:
             parts.append(s)
@@ -1027,6 +1075,15 @@ def make_drafter(cfg: Config):
 # ---------------------------------------------------------------------------
 
 
+def _render_kw(it: Item, cfg: Config) -> dict:
+    """render()'s query style and rewrite for `cfg`."""
+    rewrite = None
+    if cfg.correction == "evidence":
+        rewrite = functools.partial(evidence_correction, it.doc.text, top_k=sandbox.Limits.make(**cfg.limits).top_k)
+    own = {"own": own_query, "own_words": own_words_query}.get(cfg.search_query)
+    return {"own": own, "rewrite": rewrite}
+
+
 def _query_fn(it: Item, cfg: Config) -> Callable[[str], str | None]:
     rng = it.rng("query")
     return lambda s: support_query(it.doc.text, s, cfg.search_query, rng, it.doc.entities)
@@ -1034,7 +1091,7 @@ def _query_fn(it: Item, cfg: Config) -> Callable[[str], str | None]:
 
 def _finish(it: Item, text: str, draft: Draft, labels: list[dict], ann: Annotation, corrections: list[dict],
             drafter, annotator, cfg: Config, extra: dict | None = None) -> sandbox.Episode:
-    ep = sandbox.replay(it.doc.text, text, max_deletes=cfg.max_deletes)
+    ep = sandbox.replay(it.doc.text, text, **{**cfg.limits, "max_deletes": cfg.max_deletes})
     ep.doc_id = it.doc.id
     ep.meta = {
         "id": it.id, "synth_version": SYNTH_VERSION, "trace_kind": trace_kind(ep, ann.error is not None),
@@ -1054,7 +1111,7 @@ def _finish(it: Item, text: str, draft: Draft, labels: list[dict], ann: Annotati
 def synth_batch(items: Sequence[Item], drafter, annotator, cfg: Config
                 ) -> tuple[list[sandbox.Episode], list[tuple[str, str]]]:
     """Traces for `items`, and (trace id, reason) for those that got no teacher answer (retried next run)."""
-    if drafter.continues:
+    if drafter.continues and cfg.drafter.continuation:
         return _synth_iterative(items, drafter, annotator, cfg)
     drafts = drafter.draft(items)
     anns = annotator.annotate_many([(it.doc, d.text) for it, d in zip(items, drafts)])
@@ -1066,7 +1123,7 @@ def synth_batch(items: Sequence[Item], drafter, annotator, cfg: Config
         text, corrections = d.text, []
         if ann.error is None:
             text, corrections = render(sandbox.split_sentences(d.text), group_labels(ann.labels), _query_fn(it, cfg),
-                                       it.rng("positives"), cfg.search_rate)
+                                       it.rng("positives"), cfg.search_rate, **_render_kw(it, cfg))
         traces.append(_finish(it, text, d, ann.labels, ann, corrections, drafter, annotator, cfg))
     return traces, failed
 
@@ -1107,7 +1164,7 @@ def _synth_iterative(items, drafter, annotator, cfg):
             sentences = sandbox.split_sentences(s.open)
             if not groups or rnd == cfg.drafter.max_rounds:
                 text, _ = render(sentences, {}, _query_fn(it, cfg), it.rng(f"positives{rnd}"), cfg.search_rate,
-                                 avoid=set(groups))
+                                 avoid=set(groups), **_render_kw(it, cfg))
                 s.prefix = " ".join(x for x in (s.prefix, text) if x)
                 s.labels += [lab for labs in groups.values() for lab in labs]
                 s.open_errors = sum(len(v) for v in groups.values())
@@ -1115,7 +1172,7 @@ def _synth_iterative(items, drafter, annotator, cfg):
                 continue
             j = min(groups)
             text, corr = render(sentences[:j + 1], {j: groups[j]}, _query_fn(it, cfg), it.rng(f"positives{rnd}"),
-                                cfg.search_rate, ends_trace=False)
+                                cfg.search_rate, ends_trace=False, **_render_kw(it, cfg))
             s.prefix = " ".join(x for x in (s.prefix, text) if x)
             s.labels += groups[j]
             s.corrections += corr

@@ -184,7 +184,7 @@ def test_spot_check_html_escapes_everything_and_strikes_deletions():
 
 def _run(tmp_path, annotator=None, n=200, synth_keys=(), filter_keys=()):
     docs = tmp_path / "docs.jsonl"
-    s_cfg = common.load_config(st.Config, ["--config", str(CONFIGS / "synth_newsworld.yaml"), f"docs_path={docs}",
+    s_cfg = common.load_config(st.Config, ["--config", str(CONFIGS / "synth_rules.yaml"), f"docs_path={docs}",
                                            f"generate_docs={n}", f"out_path={tmp_path / 'traces.jsonl'}",
                                            f"runs_dir={tmp_path / 'runs'}", *synth_keys])
     synth = st.main(s_cfg, annotator=annotator)

@@ -52,6 +52,33 @@ def test_injection_follows_design_and_results_are_the_sandboxes():
     assert [s["corrected"] for s in steps] == [lab["corrected_clause"] for lab in labels] and only == []
 
 
+def test_own_sentence_queries_and_evidence_rewrites():
+    hits = n = 0
+    for doc in DOCS:
+        draft, labels = data.draft(doc, random.Random(1), n_errors=2)
+        sentences = sandbox.split_sentences(draft)
+        text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0),
+                                      search_rate=1.0, own=st.own_query,
+                                      rewrite=lambda q, c: st.evidence_correction(doc.text, q, c))
+        ep = sandbox.replay(doc.text, text)
+        assert ep.valid
+        searches = [t for t in ep.turns if t.call and t.call.kind == "search"]
+        # every search is the sentence just written, without its closing punctuation, as a BM25 query
+        assert [t.call.arg for t in searches] == [st.own_query(x) for x in sentences[:-1]] + (
+            [st.own_query(sentences[-1])] if len(searches) == len(sentences) else [])
+        for c in corrections:  # each rewrite is a sentence of the results of the search before its delete
+            n += 1
+            res = sandbox.DocIndex(doc.text).search(c["keys"][0])
+            if c["corrected"] in [sandbox.DocIndex(doc.text).sentences[h] for h in res.hits]:
+                hits += 1
+                assert data.oracle_errors(doc, c["corrected"]) == []
+    assert n >= 20 and hits / n >= 0.8
+    assert st.own_query("Acme/Globex <b> rose 5%.") == "Acme Globex b rose 5%"
+    assert sandbox.parse_query(st.own_query("/Acme rose/."))[0] == "bm25"
+    assert st.evidence_correction(DOCS[0].text, "zzz qqq", "A fix.") == "A fix."  # no result close to it
+    assert st.evidence_correction(DOCS[0].text, "anything", "") == ""  # drop the sentence: nothing to copy
+
+
 @pytest.mark.parametrize("style", ["regex", "bm25"])
 def test_search_only_positive_retrieves_the_support(style):
     rng = random.Random(0)
