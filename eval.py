@@ -170,6 +170,107 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
     return out
 
 
+def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> list[dict]:
+    """One record per summary sentence the policy wrote, retracted ones included,
+    in the order written, with what the policy did right after it (news world):
+
+    - `text`, `index` (its position in the summary), `wrong` (the oracle finds an error);
+    - `searched`, `deleted`: a search / delete call followed it before the next sentence;
+    - `found`: some search after it returned an article sentence that states the
+      fact it is about (`data.oracle_support`), None when it is about no fact;
+    - `rewrite_wrong`: for a deleted sentence, whether the sentence written in its
+      place is wrong (None when nothing was written there).
+
+    A call belongs to the last sentence of the summary just before the call (the
+    episode replayed up to the call); a delete retracts that sentence."""
+    import data
+
+    events: list[dict] = []
+    before = ""
+    for t in ep.turns:
+        c = t.call
+        if c is not None:
+            snapshot = sandbox.split_sentences(sandbox.replay(ep.document, before + t.text[:c.start],
+                                                              **(limits or {})).summary)
+            if snapshot:
+                idx, text = len(snapshot) - 1, snapshot[-1]
+                cur = events[-1] if events else None
+                if cur is None or cur["deleted"] or (cur["index"], cur["text"]) != (idx, text):
+                    cur = {"index": idx, "text": text, "searched": False, "deleted": False, "hits": []}
+                    events.append(cur)
+                if c.kind == "search" and c.valid:
+                    cur["searched"] = True
+                    cur["hits"] += c.hits or []
+                elif c.kind == "delete" and c.valid and c.deleted:
+                    cur["deleted"] = True
+        before += t.text + t.injected
+    final = sandbox.split_sentences(ep.summary)
+    kept = {(e["index"], e["text"]) for e in events if not e["deleted"]}
+    events += [{"index": i, "text": s, "searched": False, "deleted": False, "hits": []}
+               for i, s in enumerate(final) if (i, s) not in kept]
+    for e in events:
+        e["wrong"] = bool(data.oracle_errors(doc, e["text"]))
+        support = data.oracle_support(doc, e["text"])
+        e["found"] = bool(set(support) & set(e["hits"])) if support and e["searched"] else None
+    for k, e in enumerate(events):
+        if e["deleted"]:
+            nxt = next((x for x in events[k + 1:] if x["index"] == e["index"]), None)
+            e["rewrite_wrong"] = None if nxt is None else nxt["wrong"]
+    return events
+
+
+def auc(scores_pos: Sequence[float], scores_neg: Sequence[float]) -> float:
+    """P(a positive outscores a negative), ties counting half (the Mann-Whitney AUC); NaN if a side is empty."""
+    if not scores_pos or not scores_neg:
+        return math.nan
+    neg = np.sort(np.asarray(scores_neg, dtype=float))
+    below = np.searchsorted(neg, scores_pos, side="left")
+    ties = np.searchsorted(neg, scores_pos, side="right") - below
+    return float((below + 0.5 * ties).sum() / (len(scores_pos) * len(neg)))
+
+
+def tool_decision(events: Sequence[dict]) -> dict[str, float]:
+    """The tool decision over written sentences: search and delete rates after a
+    wrong vs a right sentence, the AUC of the decision (0 nothing, 1 search only,
+    2 delete) as a detector of wrong sentences, how often a search found the
+    sentence stating the fact it checks, and evidence use: after such a search,
+    how often the sentence written in place of a deleted one is right."""
+    wrong = [e for e in events if e["wrong"]]
+    right = [e for e in events if not e["wrong"]]
+    score = lambda e: 2.0 if e["deleted"] else 1.0 if e["searched"] else 0.0  # noqa: E731
+    used = [not e["rewrite_wrong"] for e in events
+            if e["deleted"] and e["found"] and e.get("rewrite_wrong") is not None]
+    return {
+        "tool_auc": auc([score(e) for e in wrong], [score(e) for e in right]),
+        "search_after_wrong": _mean(e["searched"] for e in wrong),
+        "search_after_right": _mean(e["searched"] for e in right),
+        "delete_after_wrong": _mean(e["deleted"] for e in wrong),
+        "delete_after_right": _mean(e["deleted"] for e in right),
+        "search_found_fact": _mean(e["found"] for e in events if e["found"] is not None),
+        "evidence_use": _mean(used),
+        "sentences_written": float(len(events)),
+        "wrong_written": _mean(e["wrong"] for e in events),
+    }
+
+
+def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[list], limits: dict | None = None
+                       ) -> dict[str, float]:
+    """The oracle's view of greedy episodes: fact precision (supported names,
+    numbers and dates over those stated), the tool decision (`tool_decision`),
+    and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
+    import data
+
+    stated = [data.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
+    out = {"fact_precision": _mean(f["supported"] for fs in stated for f in fs),
+           "facts_stated": _mean(len(fs) for fs in stated)}
+    out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))
+    for fam in sorted({d.bucket for d in docs}):
+        idx = [i for i, d in enumerate(docs) if d.bucket == fam]
+        out[f"fam_{fam}_fact_precision"] = _mean(f["supported"] for i in idx for f in stated[i])
+        out[f"fam_{fam}_hallucination"] = _mean(bool(errors[i]) for i in idx)
+    return out
+
+
 class TagBan:
     """`rollout.rollout` logits processor that keeps banned tag openings out of the text.
 
@@ -283,6 +384,8 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
                searches=ts["searches_per_episode"], deletes=ts["deletes_per_episode"])
     hits = [h for d, e in zip(docs, eps) for h in deleted_errors(d, e, cfg.limits)] if news else []
     out["deletes_removing_error"] = _mean(hits)
+    if news:
+        out.update(news_world_metrics(docs, eps, errors, cfg.limits))
     out["tau"] = float(scores[0]["tau"])
     out["news_world"] = float(news)
 

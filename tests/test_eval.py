@@ -120,6 +120,48 @@ def test_deletes_that_removed_an_error():
     assert E.deleted_errors(doc, ep) == [True, False]  # the wrong sentence, then a correct one
 
 
+def test_sentence_events_record_each_written_sentence_and_what_followed():
+    doc = next(iter(data.newsworld(1, seed=0)))
+    first, second, third = S.split_sentences(doc.summary)[:3]
+    wrong = S.split_sentences(_swap_number(doc))[0]
+    support = doc.text.split(". ")[0] + "."  # the article sentence holding the first fact
+    text = (f"{wrong}<search>{wrong[:-1]}</search><delete scope=\"sentence\"/> {support} "
+            f"{second}<search>{second[:-1]}</search> {third}")
+    ep = S.replay(doc.text, text)
+    events = E.sentence_events(doc, ep)
+    assert [(e["text"], e["wrong"], e["searched"], e["deleted"]) for e in events] == [
+        (wrong, True, True, True), (second, False, True, False), (support, False, False, False),
+        (third, False, False, False)]
+    assert events[0]["found"] is True and events[0]["rewrite_wrong"] is False and events[1]["found"] is True
+    stats = E.tool_decision(events)
+    # wrong: delete (2); right: search (1), nothing (0), nothing (0): the wrong one outranks all
+    assert stats["tool_auc"] == 1.0 and stats["delete_after_wrong"] == 1.0 and stats["delete_after_right"] == 0.0
+    assert stats["search_after_right"] == pytest.approx(1 / 3) and stats["evidence_use"] == 1.0
+    assert stats["search_found_fact"] == 1.0 and stats["wrong_written"] == 0.25
+    # the rewrite repeats the error: evidence not used
+    bad = S.replay(doc.text, f"{wrong}<search>{wrong[:-1]}</search><delete scope=\"sentence\"/> {wrong}")
+    assert E.tool_decision(E.sentence_events(doc, bad))["evidence_use"] == 0.0
+
+
+@pytest.mark.parametrize("pos, neg, expected", [
+    ([2, 2], [0, 1], 1.0), ([0], [2], 0.0), ([1, 1], [1, 1], 0.5), ([2, 0], [1], 0.5), ([], [1], math.nan),
+])
+def test_auc_by_hand(pos, neg, expected):
+    got = E.auc(pos, neg)
+    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+
+
+def test_auc_equals_the_pairwise_count():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20):
+        pos = [rng.choice([0, 1, 2]) for _ in range(rng.randint(1, 9))]
+        neg = [rng.choice([0, 1, 2]) for _ in range(rng.randint(1, 9))]
+        pairs = [(a > b) + 0.5 * (a == b) for a in pos for b in neg]
+        assert E.auc(pos, neg) == pytest.approx(sum(pairs) / len(pairs))
+
+
 # ---------------------------------------------------------------------------
 # The tag ban
 # ---------------------------------------------------------------------------
