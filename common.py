@@ -293,11 +293,21 @@ def _flatten_yaml(cls: type, mapping: Any, prefix: str, source: str,
 
 
 def _set_cli(root: type, key: str, raw: str, out: dict) -> None:
-    tp = root
-    for name in key.split("."):
+    tp, names = root, key.split(".")
+    for i, name in enumerate(names):
         if not _is_group(tp) or name not in {f.name for f in _fields(tp)}:
             raise _unknown(root, key, "command line")
+        field = next(f for f in _fields(tp) if f.name == name)
         tp = _hints(tp)[name]
+        if _origin(tp) is dict and i == len(names) - 2:
+            # `limits.top_k=1` sets one entry of a dict-valued key, keeping the others
+            # (from the config file, else the field's default).
+            dict_key = ".".join(names[:-1])
+            current = out[dict_key] if dict_key in out else (_default(field) if _has_default(field) else {}) or {}
+            k_tp, v_tp = typing.get_args(tp)
+            entry = _coerce(names[-1], k_tp, f"{dict_key} (a key)", "command line")
+            out[dict_key] = {**current, entry: _coerce_cli(raw, v_tp, key)}
+            return
     if _is_group(tp):
         raise ConfigError(f"key {key!r} (from command line) is a group; set its keys "
                           f"one by one, e.g. {_all_keys(tp, key + '.')[0]}=...")

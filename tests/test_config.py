@@ -118,6 +118,21 @@ def test_cli_beats_yaml_in_nested_group(tmp_path):
     assert (cfg.lora.rank, cfg.lora.alpha) == (64, 2.0)
 
 
+@pytest.mark.parametrize("yaml_text, cli, expected", [
+    (None, ["weights.rules=0.5"], {"factuality": 1.0, "rules": 0.5}),      # default entries kept
+    ("weights: {a: 2}\n", ["weights.b=3"], {"a": 2.0, "b": 3.0}),          # file entries kept
+    ("weights: {a: 2}\n", ["weights.a=3"], {"a": 3.0}),                    # one entry replaced
+    (None, ["weights={a: 1}", "weights.b=2"], {"a": 1.0, "b": 2.0}),        # after a whole dict
+])
+def test_cli_sets_one_entry_of_a_dict_key(tmp_path, yaml_text, cli, expected):
+    assert load(tmp_path, yaml_text, cli).weights == expected
+
+
+def test_cli_dict_entry_value_is_type_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"'weights.a'.*float.*'x'"):
+        load(tmp_path, None, ["weights.a=x"])
+
+
 @pytest.mark.parametrize("cli, attr, expected", [
     (["name=001"], "name", "001"),                     # str keeps the raw text
     (["max_len=none"], "max_len", None),
