@@ -481,7 +481,8 @@ TABLES = {
     "pass@k": [f"pass_at_{k}" for k in KS] + ["pass_sampled"],
     "Speed": ["latency_p50_ms", "latency_p95_ms", "tok_s"],
 }
-BARS = ["rouge1", "rougeL", "factuality", "pass", "hallucination_rate", "valid_episode_rate", "pass_at_8"]
+BARS = ["rouge1", "rougeL", "factuality", "fact_precision", "pass", "hallucination_rate", "valid_episode_rate",
+        "pass_at_1"]
 CURVE_KEYS = ["reward", "pass", "eval_pass", "eval_factuality", "loss", "eval_loss", "sample_factuality",
               "sample_pass"]
 
@@ -646,8 +647,9 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         t0 = time.perf_counter()
         kept[p] = []
         results[p] = m = evaluate_dir(p, docs, cfg, kept[p])
-        print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in ("rouge1", "factuality", "pass", "hallucination_rate",
-                                                                 "valid_call_rate", "pass_at_8", "latency_p50_ms"))
+        print(f"{p}: " + " | ".join(f"{k} {fmt(m.get(k))}" for k in ("rouge1", "factuality", "fact_precision", "pass",
+                                                                     "hallucination_rate", "valid_call_rate",
+                                                                     "latency_p50_ms") if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")
     curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
     common.atomic_write_text(run.dir / "eval.json", json.dumps(_jsonable({

@@ -1,9 +1,9 @@
 """The whole chain on the built-in news world, one command, CPU:
 
-    news world -> traces -> corpus -> SFT -> Dr. GRPO -> eval -> distill -> headline table
+    news world -> base -> traces -> corpus -> SFT -> Dr. GRPO -> eval -> distill -> headline table
 
     python pipeline.py                  # the chain (about 15 minutes on two cores)
-    python pipeline.py --full           # + the rules-only RL baseline and the three ablations
+    python pipeline.py --full           # + the rules-only RL baseline, the three ablations, SFT without masking
     python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
     python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
     python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override
@@ -11,13 +11,20 @@
 Each stage is the stage's own script run with its own config, exactly the
 command the README gives for it, in a child process; this file only orders
 them, skips a stage whose output already exists (an interrupted stage resumes
-from its newest checkpoint: every script runs with resume=auto), and reads the
+from its newest checkpoint: every trainer runs with resume=auto), and reads the
 stages' JSON outputs into one table. To change a stage, edit its config; to
 add one, add a `Stage`.
 
+The stages: the news world's documents and their leak-cluster split; the base
+stage (the tiny policy learns to summarise, tool-free, from freshly generated
+documents: the CPU stand-in for a pretrained model); traces drafted by that
+base model (its own errors) and by the rule-based drafter, fact-checked by the
+world's oracle; the filtered corpus; error-masked SFT; Dr. GRPO; evaluation of
+base, SFT and RL on the whole eval pool; distillation.
+
 The headline table goes to stdout and to runs/pipeline/headline.md (with the
-milestones of the plan marked met / not met), its figures to
-runs/pipeline/headline.json.
+plan's milestones and the news-world targets marked met / not met), its
+figures to runs/pipeline/headline.json.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ class Stage:
     checkpoints: bool = False  # resumes from its checkpoints (--fresh passes resume=none)
 
 
-SFT, RL = "runs/sft_tiny/final", "runs/rl_tiny/final"
+DOCS, SPLIT = "out/newsworld/docs.jsonl", "out/newsworld/split.json"
+BASE, SFT, RL = "runs/base_tiny/final", "runs/sft_tiny/final", "runs/rl_tiny/final"
+SFT_NOMASK = "runs/sft_tiny_nomask/final"
 ABLATIONS = {  # run name -> config: the --full rows of the table
     "rl_tiny_rules_only": "configs/ablation_rules_only.yaml",
     "rl_tiny_no_delete": "configs/ablation_no_delete.yaml",
@@ -52,15 +61,22 @@ ABLATIONS = {  # run name -> config: the --full rows of the table
     "rl_tiny_no_budget": "configs/ablation_no_budget.yaml",
 }
 STAGES = [
+    Stage("docs", ["data.py", "newsworld", "--n", "1000", "--seed", "0", "--out", DOCS], DOCS),
+    Stage("split", ["data.py", "split", "--docs", DOCS, "--out", SPLIT], SPLIT),
+    Stage("base", ["sft.py", "--config", "configs/base_tiny.yaml"], BASE, checkpoints=True),
     Stage("traces", ["synth_traces.py", "--config", "configs/synth_newsworld.yaml"], "out/traces/newsworld.jsonl"),
+    Stage("traces_rules", ["synth_traces.py", "--config", "configs/synth_rules.yaml"], "out/traces/rules.jsonl"),
     Stage("corpus", ["filter_traces.py", "--config", "configs/filter_newsworld.yaml"],
           "out/corpus/newsworld/train.jsonl"),
     Stage("sft", ["sft.py", "--config", "configs/sft_tiny.yaml"], SFT, checkpoints=True),
+    Stage("sft_nomask", ["sft.py", "--config", "configs/sft_tiny.yaml", "name=sft_tiny_nomask", "mask_retracted=false"],
+          SFT_NOMASK, full_only=True, checkpoints=True),
     Stage("rl", ["rl.py", "--config", "configs/tiny.yaml"], RL, checkpoints=True),
     *[Stage(name, ["rl.py", "--config", cfg], f"runs/{name}/final", full_only=True, checkpoints=True)
       for name, cfg in ABLATIONS.items()],
-    Stage("eval", ["eval.py", "--config", "configs/eval_tiny.yaml", "--compare", SFT, RL], "runs/eval_tiny/eval.json"),
-    Stage("eval_full", ["eval.py", "--config", "configs/eval_tiny.yaml", "name=eval_tiny_full", "--compare", SFT, RL,
+    Stage("eval", ["eval.py", "--config", "configs/eval_tiny.yaml", "--compare", BASE, SFT, RL],
+          "runs/eval_tiny/eval.json"),
+    Stage("eval_full", ["eval.py", "--config", "configs/eval_tiny.yaml", "name=eval_tiny_full", "--compare", SFT_NOMASK,
                         *[f"runs/{n}/final" for n in ABLATIONS]], "runs/eval_tiny_full/eval.json", full_only=True),
     Stage("distill", ["distill.py", "--config", "configs/distill_tiny.yaml"], "runs/distill_tiny/distill.json",
           checkpoints=True),
@@ -110,28 +126,52 @@ def _points(gap: float) -> str:
     return f"factuality {abs(gap):.1f} points {'below' if gap > 0 else 'above'} the teacher"
 
 
+ROWS = [  # (label, model directory): the table's rows, --full rows after the first three
+    ("base (no tools)", BASE), ("SFT (tools)", SFT), ("Dr. GRPO", RL),
+    ("SFT, errors not masked", SFT_NOMASK),
+    *[(name.replace("rl_tiny_", "RL ").replace("_", " "), f"runs/{name}/final") for name in ABLATIONS],
+]
+COLUMNS = [  # (header, metric, format)
+    ("fact precision", "fact_precision", "pct"), ("hallucination", "hallucination_rate", "pct"),
+    ("errors / summary", "errors_per_summary", "{:.2f}"), ("combined pass", "pass", "pct"),
+    ("rule pass", "rules_pass", "pct"), ("valid calls", "valid_call_rate", "pct"),
+    ("searches", "searches", "{:.2f}"), ("deletes", "deletes", "{:.2f}"), ("tool AUC", "tool_auc", "{:.2f}"),
+    ("search finds the fact", "search_found_fact", "pct"), ("evidence use", "evidence_use", "pct"),
+    ("pass@1 (T=1)", "pass_at_1", "pct"), ("ROUGE-L", "rougeL", "{:.3f}"), ("p50 ms", "latency_p50_ms", "{:.0f}"),
+]
+
+
+def _cell(x, fmt: str) -> str:
+    return _pct(x) if fmt == "pct" else _num(x, fmt)
+
+
+def _rising(*xs) -> bool | None:
+    return None if any(_missing(x) for x in xs) else all(a < b for a, b in zip(xs, xs[1:]))
+
+
 def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None = None,
              seconds: dict[str, float] | None = None) -> tuple[str, dict]:
-    """(markdown, figures) of the pipeline's outcome: the plan's milestones
-    measured on the news world, each marked met or not met."""
-    models = {m["model"]: m["metrics"] for m in (full_json or eval_json)["models"]}
-    sft, rl = models.get(SFT, {}), models.get(RL, {})
+    """(markdown, figures) of the pipeline's outcome: base, SFT and Dr. GRPO (and
+    with --full the baselines and ablations) on the held-out pool, the issue's
+    news-world targets and the plan's milestones, each marked met or not met."""
+    models = {m["model"]: m["metrics"] for j in (eval_json, full_json or {}) for m in j.get("models", [])}
+    base, sft, rl = models.get(BASE, {}), models.get(SFT, {}), models.get(RL, {})
     backend = eval_json.get("factuality_backend", "?")
-    rows = [("SFT", sft), ("Dr. GRPO", rl)]
-    if full_json:
-        rows += [(name.replace("rl_tiny_", "RL ").replace("_", " "), models.get(f"runs/{name}/final", {}))
-                 for name in ABLATIONS]
-    lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents; factuality: {backend}.", "",
-             "| model | valid calls | rule pass | hallucination | combined pass | pass@1 (T=1) | pass@8 (T=1) | "
-             "searches | deletes | ROUGE-L | p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [(label, models[path]) for label, path in ROWS if path in models]
+    lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents (the whole eval pool), greedy; "
+             f"factuality: {backend}. Fact precision: the names, numbers and dates stated that the oracle "
+             "supports; tool AUC: the search/delete decision as a detector of the policy's wrong sentences.", "",
+             "| model | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for label, m in rows:
-        lines.append(f"| {label} | {_pct(m.get('valid_call_rate'))} | {_pct(m.get('rules_pass'))} | "
-                     f"{_pct(m.get('hallucination_rate'))} | {_pct(m.get('pass'))} | {_pct(m.get('pass_at_1'))} | "
-                     f"{_pct(m.get('pass_at_8'))} | {_num(m.get('searches'), '{:.2f}')} | "
-                     f"{_num(m.get('deletes'), '{:.2f}')} | {_num(m.get('rougeL'), '{:.3f}')} | "
-                     f"{_num(m.get('latency_p50_ms'), '{:.0f}')} |")
-    fig = {"sft": sft, "rl": rl, "factuality_backend": backend}
+        lines.append(f"| {label} | " + " | ".join(_cell(m.get(k), f) for _, k, f in COLUMNS) + " |")
+    fams = sorted({k[4:-len("_fact_precision")] for m in (base, sft, rl) for k in m
+                   if k.startswith("fam_") and k.endswith("_fact_precision")})
+    if fams:
+        lines += ["", "| fact precision by event family | " + " | ".join(fams) + " |", "|---" * (len(fams) + 1) + "|"]
+        lines += [f"| {label} | " + " | ".join(_pct(m.get(f"fam_{f}_fact_precision")) for f in fams) + " |"
+                  for label, m in rows[:3]]
+    fig = {"base": base, "sft": sft, "rl": rl, "factuality_backend": backend,
+           "rows": {label: m for label, m in rows}}
     student_ok, student_shown, speed_ok, speed_shown = None, "-", None, "-"
     if distill_json:
         t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
@@ -148,10 +188,22 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
             student_shown = f"{ms:.0f} ms, {_points(gap)}"
         if ms and t_ms:
             speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {_points(gap)}"
-    # Milestones (the plan, seeds/000): each with its measured value.
-    base = models.get("runs/rl_tiny_rules_only/final") if full_json else None
-    base_label = "the rules-only RL baseline" if base else "the SFT start (run --full for the rules-only baseline)"
-    h0, h1 = (base or sft).get("hallucination_rate"), rl.get("hallucination_rate")
+    fp = [m.get("fact_precision") for m in (base, sft, rl)]
+    hall = [m.get("hallucination_rate") for m in (base, sft, rl)]
+    targets = [
+        ("fact precision rises: base < SFT < Dr. GRPO", " -> ".join(map(_pct, fp)), _rising(*fp)),
+        ("hallucination falls with it", " -> ".join(map(_pct, hall)),
+         _rising(*[-h if not _missing(h) else h for h in hall])),
+        ("tool AUC >= 0.75 after SFT", _num(sft.get("tool_auc"), "{:.2f}"), _ge(sft.get("tool_auc"), 0.75)),
+        ("tool AUC >= 0.85 after Dr. GRPO", _num(rl.get("tool_auc"), "{:.2f}"), _ge(rl.get("tool_auc"), 0.85)),
+        ("searches return the sentence holding the fact >= 80% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
+         _ge(rl.get("search_found_fact"), 0.80)),
+        ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
+    ]
+    # Milestones (the plan): each with its measured value.
+    rules_only = models.get("runs/rl_tiny_rules_only/final")
+    base_label = "the rules-only RL baseline" if rules_only else "the SFT start (run --full for the rules-only baseline)"
+    h0, h1 = (rules_only or sft).get("hallucination_rate"), rl.get("hallucination_rate")
     drop = float("nan") if _missing(h0) or _missing(h1) or not h0 else (h0 - h1) / h0
     marks = [
         ("tool calls valid >= 95% (after SFT)", _pct(sft.get("valid_call_rate")), _ge(sft.get("valid_call_rate"), 0.95)),
@@ -161,11 +213,11 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
         ("M3 student <= 100 ms per summary, factuality within 2 points", student_shown, student_ok),
         ("student >= 3x faster than its teacher, within 2 points (news world target)", speed_shown, speed_ok),
     ]
-    lines += ["", "| milestone | measured | status |", "|---|---|---|"]
-    for name, shown, ok in marks:
-        status = "not measured" if ok is None else ("met" if ok else "not met")
-        lines.append(f"| {name} | {shown} | {status} |")
-    fig["milestones"] = {name: ok for name, _, ok in marks}
+    for title, items, key in (("news-world target", targets, "targets"), ("milestone", marks, "milestones")):
+        lines += ["", f"| {title} | measured | status |", "|---|---|---|"]
+        for name, shown, ok in items:
+            lines.append(f"| {name} | {shown} | {'not measured' if ok is None else 'met' if ok else 'not met'} |")
+        fig[key] = {name: ok for name, _, ok in items}
     if seconds:
         total = sum(seconds.values())
         lines += ["", "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
@@ -179,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--full", action="store_true", help="add the rules-only RL baseline and the three ablations")
+    ap.add_argument("--full", action="store_true",
+                    help="add the rules-only RL baseline, the three ablations and SFT without error masking")
     ap.add_argument("--fresh", action="store_true", help="rerun stages whose outputs exist")
     ap.add_argument("--only", default="", help="comma-separated stage names: " + ", ".join(s.name for s in STAGES))
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
@@ -211,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         if args.fresh and stage.checkpoints:  # a fresh rerun must not resume the old run
             extra.setdefault(stage.name, []).append("resume=none")
+        elif args.fresh and (work / stage.output).is_file():
+            # nor build on an old output: synth resumes an existing trace file, and a frozen split refuses a rewrite
+            (work / stage.output).unlink()
         if stage.name in extra:  # key=value overrides go before --compare's list
             at = stage.argv.index("--compare") if "--compare" in stage.argv else len(stage.argv)
             stage = dataclasses.replace(stage, argv=[*stage.argv[:at], *extra[stage.name], *stage.argv[at:]])

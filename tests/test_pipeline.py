@@ -16,7 +16,8 @@ ROOT = Path(pipeline.__file__).resolve().parent
 def _metrics(**kw) -> dict:
     base = {"valid_call_rate": 0.97, "rules_pass": 0.25, "hallucination_rate": 0.5, "pass": 0.1, "pass_at_1": 0.1,
             "pass_at_8": 0.4, "searches": 1.0, "deletes": 0.5, "rougeL": 0.3, "latency_p50_ms": 120.0,
-            "factuality": 0.6}
+            "factuality": 0.6, "fact_precision": 0.5, "errors_per_summary": 1.0, "tool_auc": 0.8,
+            "search_found_fact": 0.9, "evidence_use": 0.95, "fam_sports_fact_precision": 0.4}
     return {**base, **kw}
 
 
@@ -25,44 +26,54 @@ def _eval_json(models: dict[str, dict]) -> dict:
             "factuality_backend": "oracle (news world fact table)"}
 
 
-def test_headline_marks_each_milestone_from_its_figure():
-    ev = _eval_json({pipeline.SFT: _metrics(hallucination_rate=0.8, valid_call_rate=0.96),
-                     pipeline.RL: _metrics(hallucination_rate=0.4, rules_pass=0.3, **{"pass": 0.65})})
+def test_headline_marks_each_milestone_and_target_from_its_figure():
+    ev = _eval_json({pipeline.BASE: _metrics(fact_precision=0.3, hallucination_rate=0.9, valid_call_rate=float("nan")),
+                     pipeline.SFT: _metrics(hallucination_rate=0.8, valid_call_rate=0.96, fact_precision=0.6),
+                     pipeline.RL: _metrics(hallucination_rate=0.4, rules_pass=0.3, fact_precision=0.7, tool_auc=0.9,
+                                           **{"pass": 0.65})})
     dist = {"teacher": {"latency_p50_ms": 150.0, "factuality": 0.60, "pass": 0.5},
             "student": {"latency_p50_ms": 40.0, "factuality": 0.59, "pass": 0.45}}
     md, fig = pipeline.headline(ev, dist, seconds={"sft": 300.0, "rl": 200.0})
-    m = fig["milestones"]
+    m, t = fig["milestones"], fig["targets"]
     assert m["tool calls valid >= 95% (after SFT)"] is True
     assert m["M0 rule pass >= 20% (Dr. GRPO)"] is True
     hall = next(k for k in m if k.startswith("M1"))
     assert m[hall] is True and "SFT start" in hall  # 0.8 -> 0.4 is down 50%; no --full baseline
     assert m["M2 combined pass >= 60% (Dr. GRPO)"] is True
     assert m["M3 student <= 100 ms per summary, factuality within 2 points"] is True
-    for figure in ("96.0%", "65.0%", "80.0% -> 40.0%", "| 40 |", "40 ms, factuality 1.0 points below the teacher", "3.8x faster, factuality 1.0 points below", "total 500"):
+    assert t["fact precision rises: base < SFT < Dr. GRPO"] is True and t["hallucination falls with it"] is True
+    assert t["tool AUC >= 0.75 after SFT"] is True and t["tool AUC >= 0.85 after Dr. GRPO"] is True
+    for figure in ("96.0%", "65.0%", "80.0% -> 40.0%", "| 40 |", "40 ms, factuality 1.0 points below the teacher",
+                   "3.8x faster, factuality 1.0 points below", "total 500", "30.0% -> 60.0% -> 70.0%",
+                   "| base (no tools) |", "| SFT (tools) |", "| Dr. GRPO |", "| fact precision by event family | sports |"):
         assert figure in md, figure
-    assert md.count("| met |") == 6
+    assert md.count("| met |") == 12
 
     slow = {"teacher": dist["teacher"], "student": {**dist["student"], "factuality": 0.5}}
     ev_bad = _eval_json({pipeline.SFT: _metrics(valid_call_rate=0.5, hallucination_rate=float("nan")),
-                         pipeline.RL: _metrics(rules_pass=0.1)})
+                         pipeline.RL: _metrics(rules_pass=0.1, fact_precision=0.4, tool_auc=0.5)})
     md, fig = pipeline.headline(ev_bad, slow)
-    m = fig["milestones"]
+    m, t = fig["milestones"], fig["targets"]
     assert m["tool calls valid >= 95% (after SFT)"] is False
     assert m["M0 rule pass >= 20% (Dr. GRPO)"] is False
     assert m[next(k for k in m if k.startswith("M1"))] is None  # not measurable, not guessed
     assert m["M3 student <= 100 ms per summary, factuality within 2 points"] is False
     assert m["student >= 3x faster than its teacher, within 2 points (news world target)"] is False
+    assert t["fact precision rises: base < SFT < Dr. GRPO"] is None  # no base row: not measured
+    assert t["tool AUC >= 0.85 after Dr. GRPO"] is False
     assert "| not measured |" in md and "| not met |" in md
 
 
 def test_full_table_compares_hallucinations_with_the_rules_only_run():
     rows = {pipeline.SFT: _metrics(hallucination_rate=0.9), pipeline.RL: _metrics(hallucination_rate=0.5)}
-    rows.update({f"runs/{n}/final": _metrics() for n in pipeline.ABLATIONS})
-    rows["runs/rl_tiny_rules_only/final"] = _metrics(hallucination_rate=0.6)
-    md, fig = pipeline.headline(_eval_json(rows), None, full_json=_eval_json(rows))
+    full = {f"runs/{n}/final": _metrics() for n in pipeline.ABLATIONS}
+    full["runs/rl_tiny_rules_only/final"] = _metrics(hallucination_rate=0.6)
+    full[pipeline.SFT_NOMASK] = _metrics(fact_precision=0.2)
+    md, fig = pipeline.headline(_eval_json(rows), None, full_json=_eval_json(full))
     hall = next(k for k in fig["milestones"] if k.startswith("M1"))
     assert "rules-only" in hall and fig["milestones"][hall] is False  # 0.6 -> 0.5 is down 17%
     assert all(f"| RL {n.replace('rl_tiny_', '').replace('_', ' ')} |" in md for n in pipeline.ABLATIONS)
+    assert "| SFT, errors not masked | 20.0% |" in md
     assert fig["milestones"]["M3 student <= 100 ms per summary, factuality within 2 points"] is None
 
 
@@ -71,12 +82,17 @@ def test_stage_names_and_overrides_are_checked(tmp_path):
         pipeline.main(["--only", "sfft", "--workdir", str(tmp_path)])
     with pytest.raises(SystemExit, match="STAGE.KEY=VALUE"):
         pipeline.main(["--set", "sft=1", "--workdir", str(tmp_path)])
-    assert {s.name for s in pipeline.STAGES} >= {"traces", "corpus", "sft", "rl", "eval", "distill"}
-    assert all((ROOT / s.argv[0]).exists() and (ROOT / s.argv[2]).exists() for s in pipeline.STAGES)
+    assert {s.name for s in pipeline.STAGES} >= {"docs", "split", "base", "traces", "corpus", "sft", "rl", "eval",
+                                                 "distill"}
+    for s in pipeline.STAGES:
+        assert (ROOT / s.argv[0]).exists(), s.name
+        assert "--config" not in s.argv or (ROOT / s.argv[s.argv.index("--config") + 1]).exists(), s.name
 
 
 SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
-    "traces": ["generate_docs=40"],
+    "base": ["data.generate=48", "epochs=1", "eval.every=0", "eval.n_docs=2", "eval.max_new_tokens=16"],
+    "traces": ["limit=24", "drafter.generate.max_new_tokens=24"],
+    "traces_rules": ["limit=24"],
     "sft": ["epochs=1", "warmup_steps=1", "eval.n_docs=2", "eval.max_new_tokens=16"],
     "rl": ["steps=2", "prompts_per_step=2", "group_size=2", "micro_groups=2", "warmup_steps=0", "eval.n_docs=2",
            "eval.max_new_tokens=16", "sampling.max_new_tokens=16"],
@@ -84,6 +100,7 @@ SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
     "distill": ["steps=3", "warmup_steps=0", "data.max_train_docs=4", "generate.max_new_tokens=16",
                 "generate.filter=none", "eval.n_docs=2", "eval.latency_docs=2", "eval.max_new_tokens=16"],
 }
+MAIN_STAGES = [s.name for s in pipeline.STAGES if not s.full_only]
 
 
 def test_smallest_pipeline_end_to_end(tmp_path):
@@ -100,12 +117,14 @@ def test_smallest_pipeline_end_to_end(tmp_path):
     for key in ("valid_call_rate", "rules_pass", "hallucination_rate", "pass", "pass_at_1", "pass_at_8"):
         assert key in fig["sft"] and key in fig["rl"], key
     assert "latency_p50_ms" in fig["student"] and "factuality" in fig["student"]
-    assert len(fig["milestones"]) == 6 and set(fig["seconds"]) == {"traces", "corpus", "sft", "rl", "eval", "distill"}
-    for row in ("| SFT |", "| Dr. GRPO |", "| student (no tools) |", "M0 rule pass", "M1 hallucinations",
-                "M2 combined pass", "M3 student", "Stage times"):
+    assert len(fig["milestones"]) == 6 and len(fig["targets"]) == 6 and set(fig["seconds"]) == set(MAIN_STAGES)
+    for key in ("fact_precision", "tool_auc", "evidence_use", "search_found_fact"):
+        assert key in fig["base"] and key in fig["sft"] and key in fig["rl"], key
+    for row in ("| base (no tools) |", "| SFT (tools) |", "| Dr. GRPO |", "| student (no tools) |", "M0 rule pass",
+                "M1 hallucinations", "M2 combined pass", "M3 student", "fact precision rises", "Stage times"):
         assert row in md, row
     assert md in run.stdout
 
     again = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path)],
                            capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("exists, skipped") == 6, again.stdout[-2000:]
+    assert again.returncode == 0 and again.stdout.count("exists, skipped") == len(MAIN_STAGES), again.stdout[-2000:]
