@@ -2613,6 +2613,26 @@ def pool_documents(docs: Sequence[Document], manifest: dict, pools: str | Sequen
     return out
 
 
+def held_out_guard(docs: Sequence[Document], manifest: dict, where: str = "the manifest") -> "LeakGuard":
+    """A LeakGuard over the eval and never-touch pools of a split, with the split's
+    own clustering parameters: what new training documents must not duplicate."""
+    held = pool_documents(docs, manifest, ("eval", "never_touch"), where)
+    return LeakGuard(held, **manifest.get("clustering", {}))
+
+
+def fresh_documents(n: int, seed: int, guard: "LeakGuard | None" = None) -> tuple[list[Document], list[str]]:
+    """(documents, ids skipped): articles 0..n-1 of the world `seed`, less those
+    `guard` finds in a held-out cluster."""
+    kept, skipped = [], []
+    for i in range(n):
+        doc = world_document(seed, i)
+        if guard is not None and guard.match(doc) is not None:
+            skipped.append(doc.id)
+        else:
+            kept.append(doc)
+    return kept, skipped
+
+
 class LeakGuard:
     """Near-duplicate test of new documents against a fixed set (held-out pools):
     the same features, LSH and exact-Jaccard threshold as `cluster_documents`,

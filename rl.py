@@ -83,6 +83,13 @@ class DataConfig:
     split: str = "out/newsworld/split.json"  # leak-cluster manifest (`data.py split`); "" = no split
     generate: int = 0  # when `train` is missing: make this many news-world documents in memory (0 = error)
     world_seed: int = 0  # world seed of generated documents (generated eval documents use world_seed + 1)
+    # > 0: train on this many freshly generated news-world documents of `fresh_seed`
+    # instead of the split's train pool (held-out documents are still its eval pool).
+    # The SFT corpus was drafted from the train pool and the policy half-remembers those
+    # documents, so RL on them rewards recall that does not carry to new ones. Documents
+    # that near-duplicate the split's eval or never-touch pools are skipped.
+    fresh: int = 0
+    fresh_seed: int = 2
     max_prompt_tokens: int = 0  # documents whose prompt is longer are skipped (0 = keep all)
     teacher: str = ""  # teacher Episode JSONL (e.g. from the api backend) for ToolMatch, matched by doc_id
 
@@ -315,6 +322,15 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
             raise SystemExit(f"no document of {cfg.train} is in the train pool of {cfg.split}: "
                              "a split of other documents? (data.split='' uses them all)")
         how += f", split {cfg.split}"
+        if cfg.fresh:
+            manifest = data.read_manifest(cfg.split)
+            train, skipped = data.fresh_documents(cfg.fresh, cfg.fresh_seed,
+                                                  data.held_out_guard(docs, manifest, cfg.split))
+            how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
+                    f"{len(skipped)} near-duplicates of held-out clusters skipped)")
+    elif cfg.fresh:
+        raise SystemExit("data.fresh needs a split (data.split): its eval and never-touch pools are what the "
+                         "fresh documents must not duplicate")
     else:
         train = docs
         if held is None and not path.exists():

@@ -311,8 +311,7 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
                              "and `python filter_traces.py --config configs/filter_newsworld.yaml`, or set "
                              "data.split=''")
     docs, manifest = data.read_documents(cfg.docs), data.read_manifest(cfg.split)
-    held = data.pool_documents(docs, manifest, ("eval", "never_touch"), cfg.split)
-    guard = data.LeakGuard(held, **manifest.get("clustering", {}))
+    guard = data.held_out_guard(docs, manifest, cfg.split)
     evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]
     return guard, [clean_episode(d).tokenized(tokenizer) for d in evals], evals
 

@@ -317,6 +317,20 @@ def test_leak_guard_catches_a_generated_twin_of_a_held_out_document():
     assert all(guard.match(d) is None for d in train)
 
 
+def test_fresh_documents_skip_what_the_held_out_guard_matches():
+    docs = small_world()
+    manifest = data.make_split(docs, seed=0)
+    guard = data.held_out_guard(docs, manifest)
+    held = data.pool_documents(docs, manifest, ("eval", "never_touch"))
+    assert guard.match(held[0]) == held[0].id  # the split's held-out pools, both of them
+    # The world the split came from, drawn again: its held-out articles are skipped, the rest kept.
+    kept, skipped = data.fresh_documents(len(docs), 1, guard)
+    held_ids = {d.id for d in held}
+    assert held_ids <= set(skipped) and not held_ids & {d.id for d in kept}
+    assert [d.id for d in kept] == [d.id for d in docs if d.id not in set(skipped)]
+    assert data.fresh_documents(5, 1) == (docs[:5], [])  # no guard: every article, in order
+
+
 def test_check_split_detects_changed_and_unknown_documents():
     docs = small_world()
     manifest = data.make_split(docs, seed=0)

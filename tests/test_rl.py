@@ -87,6 +87,26 @@ def test_turn_level_advantages_credit_each_call_on_its_own_turn():
     assert rl.turn_advantages([a, b], results, 2, "turn", credit=1.0) == [[1.0, 0.5], [-0.5, -1.0, -0.5]]
 
 
+def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_held_out_cluster(tmp_path):
+    docs = list(data.newsworld(200, seed=0))
+    manifest = data.make_split(docs, seed=0)
+    docs_path, split_path = tmp_path / "docs.jsonl", tmp_path / "split.json"
+    data.write_jsonl(str(docs_path), docs)
+    split_path.write_text(json.dumps(manifest))
+    pool = {p: {e["id"] for e in manifest["pools"][p]} for p in data.POOLS}
+    cfg = rl.DataConfig(train=str(docs_path), split=str(split_path))
+    train, held, _ = rl.load_documents(cfg)
+    assert {d.id for d in train} == pool["train"] and {d.id for d in held} == pool["eval"]
+    fresh = rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=150, fresh_seed=0)
+    train, held, how = rl.load_documents(fresh)  # the split's own world drawn again: its held-out articles skipped
+    assert {d.id for d in held} == pool["eval"] and "fresh" in how
+    assert not {d.id for d in train} & (pool["eval"] | pool["never_touch"]) and len(train) >= 100
+    other = rl.load_documents(rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=50, fresh_seed=9))[0]
+    assert len(other) >= 48 and not {d.id for d in other} & {d.id for d in docs}
+    with pytest.raises(SystemExit, match="data.fresh needs a split"):
+        rl.load_documents(rl.DataConfig(train=str(docs_path), split="", fresh=10))
+
+
 def test_step_documents_walk_a_seeded_permutation_per_epoch():
     seen = [i for s in range(5) for i in rl.step_documents(10, 2, seed=3, step=s)]
     assert sorted(seen) == list(range(10))
