@@ -403,9 +403,12 @@ def tiny_sft(tmp_path_factory):
 
 
 def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
+    docs = list(data.newsworld(60, seed=0))
+    data.write_jsonl(str(tmp_path / "docs.jsonl"), docs)
+    (tmp_path / "split.json").write_text(json.dumps(data.make_split(docs, seed=0)))
     cfg = load("tiny.yaml", f"init={tiny_sft}", f"runs_dir={tmp_path}", "steps=2", "prompts_per_step=2",
                "group_size=4", "sampling.max_new_tokens=32", "eval.n_docs=2", "eval.max_new_tokens=16",
-               f"data.train={tmp_path}/missing.jsonl", "data.generate=20", "data.split=")
+               f"data.train={tmp_path}/docs.jsonl", f"data.split={tmp_path}/split.json", "data.fresh=20")
     out = rl.main(cfg)
     assert out["step"] == 2 and len(out["history"]) == 2 and "eval_pass" in out["eval"]
     run = tmp_path / "rl_tiny"
