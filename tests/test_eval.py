@@ -311,7 +311,7 @@ def test_shipped_config():
     assert (cfg.model, cfg.docs, cfg.split, cfg.pool) == (
         "runs/rl_tiny/final", "out/newsworld/docs.jsonl", "out/newsworld/split.json", "eval")
     assert (cfg.reward.factuality, cfg.n_docs, cfg.n_samples, cfg.max_new_tokens, cfg.latency_docs,
-            cfg.torch_threads) == ("oracle", 1000, 4, 160, 16, 1)
+            cfg.torch_threads) == ("oracle", 1000, 4, 160, 16, 0)
 
 
 def test_split_compare_takes_the_directories_out():
