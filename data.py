@@ -2276,6 +2276,13 @@ def oracle_fact_score(doc: Document, summary: str) -> float:
     return sum(not _check_sentence(view, s)[1] for s in sentences) / len(sentences)
 
 
+def oracle_fact_precision(doc: Document, summary: str) -> float:
+    """Share of the names, numbers and dates `summary` states that the oracle
+    supports (`stated_facts`), in [0, 1]; a summary that states none scores 0.0."""
+    facts = stated_facts(doc, summary)
+    return sum(f["supported"] for f in facts) / len(facts) if facts else 0.0
+
+
 # ===========================================================================
 # 7. The faulty drafter
 # ===========================================================================

@@ -17,7 +17,8 @@ saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
   are the summary's sentences, each scored by its best-supporting document
   sentence on content words, entities and numbers. It is reported as
   "lexical (model-free approximation)" and is not FENICE.
-- "oracle": the built-in news world's fact table (`data.oracle_fact_score`).
+- "oracle": the built-in news world's fact table (`data.oracle_fact_score`, the share of
+  sentences with no error; `oracle_unit="fact"`: `data.oracle_fact_precision`).
 
 Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`,
 `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
@@ -154,6 +155,9 @@ class CurriculumConfig:
 @dataclass
 class RewardConfig:
     factuality: Literal["fenice", "lexical", "oracle"] = "lexical"  # backend of F
+    # The oracle's unit: "sentence", the share of summary sentences with no error;
+    # "fact", the share of stated names, numbers and dates it supports (fact precision).
+    oracle_unit: Literal["sentence", "fact"] = "sentence"
     w_factuality: float = 0.7  # w_f
     w_rules: float = 0.3  # w_r
     # Added when the summary passes (F >= the curriculum's tau and every rule), so tau acts
@@ -1714,7 +1718,8 @@ class Scorer:
                 if not hasattr(d, "facts"):
                     raise ValueError("factuality='oracle' needs data.Document items (with their fact table), "
                                      f"got {type(d).__name__}")
-                out.append((float(data.oracle_fact_score(d, s.text)), data.oracle_errors(d, s.text)))
+                score = data.oracle_fact_precision if cfg.oracle_unit == "fact" else data.oracle_fact_score
+                out.append((float(score(d, s.text)), data.oracle_errors(d, s.text)))
             return out
         raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, oracle)")
 
