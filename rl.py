@@ -258,10 +258,13 @@ def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor
     return pg, kl, clipped
 
 
-def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw) -> torch.Tensor:
-    """Sum of the per-token losses over every generated token, divided by
-    n_rollouts x max_new_tokens (the same constant for every sequence)."""
-    return ppo_token_loss(logp, old_logp, adv, **kw)[0].sum() / (n_rollouts * max_new_tokens)
+def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw):
+    """(loss, k3 KL per token or None, clipped mask): the sum of the per-token losses
+    over every generated token, divided by n_rollouts x max_new_tokens (the same
+    constant for every sequence). The training loop calls it once per micro-batch
+    with the step's n_rollouts, so the micro-batch losses add up to the step's."""
+    tok_loss, kl, clipped = ppo_token_loss(logp, old_logp, adv, **kw)
+    return tok_loss.sum() / (n_rollouts * max_new_tokens), kl, clipped
 
 
 def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, temperature: float = 1.0,
@@ -588,7 +591,6 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                     b["ref"] = logprobs(model if lora else ref_copy, mb, cfg, temperature)
             batches.append(b)
         model.train()
-        denom = len(eps) * cfg.sampling.max_new_tokens  # Dr. GRPO: one constant for every token of the step
         kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
         for epoch in range(cfg.mu):
             for b in batches:
@@ -603,9 +605,10 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                 is_w = None
                 if vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
                     is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
-                tok_loss, kl, clipped = ppo_token_loss(logp, b["old"], b["adv"], cfg.clip_low, cfg.clip_high,
-                                                       b["ref"], cfg.beta, is_w)
-                loss = tok_loss.sum() / denom
+                # Dr. GRPO: one constant for every token of the step, whatever its sequence's length
+                loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], len(eps), cfg.sampling.max_new_tokens,
+                                                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=b["ref"],
+                                                 beta=cfg.beta, is_weight=is_w)
                 if not torch.isfinite(loss):
                     names = list(dict.fromkeys(e.doc_id for e in b["eps"]))[:4]
                     raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents {names}); "

@@ -103,6 +103,7 @@ SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
 MAIN_STAGES = [s.name for s in pipeline.STAGES if not s.full_only]
 
 
+@pytest.mark.slow
 def test_smallest_pipeline_end_to_end(tmp_path):
     args = [a for stage, kvs in SMALLEST.items() for kv in kvs for a in ("--set", f"{stage}.{kv}")]
     run = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path), *args],

@@ -43,7 +43,7 @@ def test_dr_grpo_weighs_every_token_alike_unlike_length_normalised_grpo():
     adv_seq = rl.group_advantages([1.0, 0.0], 2)
     logp = torch.tensor([-1.0, -2.0, -0.5, -0.5, -1.0, -3.0], requires_grad=True)
     adv = torch.tensor([adv_seq[0]] * 2 + [adv_seq[1]] * 4)
-    loss = rl.dr_grpo_loss(logp, logp.detach(), adv, n_rollouts=2, max_new_tokens=4)
+    loss = rl.dr_grpo_loss(logp, logp.detach(), adv, n_rollouts=2, max_new_tokens=4)[0]
     loss.backward()
     # ratio 1 everywhere: loss = -(sum of A over tokens) / (2 x 4) = -(2 x 0.5 - 4 x 0.5) / 8
     assert loss.item() == pytest.approx(0.125)
@@ -139,7 +139,7 @@ def test_a_delete_episodes_loss_covers_every_generated_token_once():
     assert lp.shape == (n,)
     assert torch.allclose(lp, rl.sampler_logprobs([ep]), atol=1e-4)  # same tokens, same order, same contexts
     adv = rl.token_advantages([ep], [[1.0] * len(ep.turns)])
-    loss = rl.dr_grpo_loss(lp, lp.detach(), adv, n_rollouts=1, max_new_tokens=120)
+    loss = rl.dr_grpo_loss(lp, lp.detach(), adv, n_rollouts=1, max_new_tokens=120)[0]
     grads = torch.autograd.grad(loss, list(model.parameters()))
     # by hand: each branch on its own, log-probs of its masked positions only
     total = 0.0
@@ -249,6 +249,94 @@ def test_resume_after_a_kill_ends_where_an_uninterrupted_run_ends(policy, docs, 
     assert [json.loads(x)["step"] for x in (run_b / "samples.jsonl").read_text().splitlines()] == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
+def tool_reward(documents, episodes):
+    """Distinct totals within a group, and a ToolMatch value per call for turn credit."""
+    return [{"total": len(e.summary) / 100 + 0.01 * i,
+             "tool_match_steps": [(0.3 * i + 0.1 * k) % 1 for k in range(e.n_search + e.n_delete)]}
+            for i, e in enumerate(episodes)]
+
+
+SCRIPTS = [DELETE_SCRIPT, "Acme grew.<search>Jane Doe</search> Jane Doe resigned.",
+           "Revenue fell.<delete scope=\"sentence\"/> Acme rose.", "Globex fell 2%."]
+
+
+@pytest.mark.parametrize("advantage, micro_groups, vllm_shift", [
+    ("outcome", 1, None), ("outcome", 2, None), ("turn", 1, None),
+    ("outcome", 1, -0.1), ("outcome", 1, -0.4),  # the vLLM path: IS weight exp(0.1) = 1.105; exp(0.4) capped at 1.2
+])
+def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, docs, tmp_path, monkeypatch,
+                                                                      advantage, micro_groups, vllm_shift):
+    """rl.main's own gradient, just before the optimizer step, against one computed
+    here from its rollouts (scripted, so they search and delete): A = R - mean(R of
+    the group), plus with advantage=turn the call's ToolMatch value minus the group's
+    mean on each call turn; the ratio to the sampler's log-probs; every generated token
+    summed and divided by n_rollouts x max_new_tokens. A token mean, a per-sequence
+    mean, std-scaled advantages or outcome-only credit give another gradient. On the
+    vLLM path (a sampler whose log-probs are off by `vllm_shift`) every token's loss
+    is weighted by min(p_trainer / p_sampler, tis_cap): truncated importance sampling."""
+    seen, checked, max_new, G = {}, [], 120, 4
+    real_rollout, real_logprobs, real_clip = R.rollout, rl.logprobs, torch.nn.utils.clip_grad_norm_
+
+    def scripted(model, tok, documents, group, scfg, limits, generator=None):
+        proc = R.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
+        eps = real_rollout(model, tok, documents, group, scfg, limits, generator=generator, logits_processor=proc)
+        with torch.no_grad():  # the sampler's log-probs without the script's bias: those of the policy itself
+            for ep, lps in zip(eps, R.episode_logprobs(model, eps, method="branch")):
+                for t, lp in zip(ep.turns, lps):
+                    t.logprobs = lp.tolist() if lp is not None else []
+        return eps
+
+    def spy_logprobs(model, episodes, cfg, temperature):
+        seen["model"] = model
+        seen.setdefault("eps", []).extend(episodes)
+        return real_logprobs(model, episodes, cfg, temperature)
+
+    def check_then_clip(params, max_norm, *args, **kwargs):
+        params, eps, model = list(params), seen.pop("eps"), seen["model"]
+        got = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        results = tool_reward(None, eps)
+        r = torch.tensor([x["total"] for x in results], dtype=torch.float64).view(-1, G)
+        base = (r - r.mean(1, keepdim=True)).flatten().tolist()
+        logp = R.episode_logprobs(model, eps, method="branch")
+        loss, n_calls = 0.0, 0
+        for e, ep in enumerate(eps):
+            group = results[e // G * G:e // G * G + G]
+            pooled = [x for res in group for x in res["tool_match_steps"]]
+            j = 0
+            for t, lp in zip(ep.turns, logp[e]):
+                a = base[e]
+                if advantage == "turn" and t.call is not None:
+                    a += results[e]["tool_match_steps"][j] - sum(pooled) / len(pooled)
+                    j += 1
+                n_calls += t.call is not None
+                if lp is not None and lp.numel():
+                    sampler = torch.tensor(t.logprobs)
+                    if vllm_shift is None:  # the sampler is the policy: its log-probs are the old ones
+                        loss = loss - (a * torch.exp(lp - sampler)).sum()
+                    else:  # old = the trainer's first pass; IS weight to the sampler, capped
+                        w = torch.exp(lp.detach() - sampler).clamp(max=1.2)
+                        loss = loss - (a * w * torch.exp(lp - lp.detach())).sum()
+        (loss / (len(eps) * max_new)).backward()
+        for p, g in zip(params, got):
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-8)
+            p.grad = g
+        checked.append((len(eps), n_calls))
+        return real_clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(R, "rollout", scripted)
+    monkeypatch.setattr(rl, "logprobs", spy_logprobs)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", check_then_clip)
+    cfg = config(policy, docs, tmp_path, steps=2, micro_groups=micro_groups, save_every=0, advantage=advantage,
+                 sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2)
+    if vllm_shift is not None:
+        fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted R.rollout above
+        cfg.sampling.backend = "vllm"
+    rl.main(cfg, reward_fn=tool_reward)
+    assert [n for n, _ in checked] == [8, 8] and all(c >= 8 for _, c in checked)  # every rollout, calls included
+
+
 def test_learns_an_easy_reward_within_a_bounded_number_of_steps(policy, docs, tmp_path):
     cfg = config(policy, docs, tmp_path, steps=30, group_size=8, save_every=0, sampling=R.SamplingConfig(
         max_new_tokens=24))
@@ -292,10 +380,15 @@ def spread_reward(documents, episodes):
 
 def test_kl_to_the_reference_and_inner_epochs(policy, docs, tmp_path):
     for lora in (True, False):  # reference: adapter disabled / a frozen copy of the initial weights
+        # One inner epoch: the KL logged is the policy's before the step's update. In step 1
+        # the policy is its reference; in step 2 it has moved away from the frozen start. A
+        # reference taken from the current weights would read 0 in step 2 as well.
+        cfg = config(policy, docs, tmp_path / f"kl{lora}", lora=lora, beta=0.1, mu=1, steps=2)
+        hist = rl.main(cfg, reward_fn=spread_reward)["history"]
+        assert hist[0]["kl"] < 1e-7 < 1e-5 < hist[1]["kl"], [h["kl"] for h in hist]
         cfg = config(policy, docs, tmp_path / str(lora), lora=lora, beta=0.1, mu=2, steps=2)
         hist = rl.main(cfg, reward_fn=spread_reward)["history"]
-        assert hist[0]["kl"] >= 0 and hist[1]["kl"] > 0  # the policy moved away from its reference in step 1
-        assert all(0 <= h["clip"] <= 1 for h in hist)
+        assert hist[0]["kl"] > 1e-5  # the second inner epoch scores an updated policy
         trainer = torch.load(common.list_checkpoints(tmp_path / str(lora) / "t")[-1] / "trainer.pt", weights_only=False)
         assert {int(s["step"]) for s in trainer["optimizer"]["state"].values()} == {4}  # mu optimizer steps a step
         assert all(h["gap"] < 1e-3 for h in hist)  # the no-grad pass scores what the sampler sampled

@@ -124,14 +124,17 @@ def test_search_errors(query, reason):
     res = IX.search(query)
     assert res.error and reason in res.error
     assert res.block.startswith("<results><error>") and reason in res.block
-    assert res.seconds < 0.5
+    if reason == "time limit":  # the default limit, 50 ms, is the one that stopped it
+        assert "time limit (50 ms)" in res.error and res.seconds < 0.15
+    else:
+        assert res.seconds < 0.05
 
 
 def test_catastrophic_pattern_is_bounded():
     t0 = time.perf_counter()
-    res = IX.search("/(a|a)+$/", regex_timeout_s=0.05)
-    assert "time limit" in res.error
-    assert time.perf_counter() - t0 < 0.2
+    res = IX.search("/(a|a)+$/", regex_timeout_s=0.02)
+    assert "time limit (20 ms)" in res.error
+    assert time.perf_counter() - t0 < 0.1
 
 
 def test_empty_document_searches_cleanly():

@@ -141,6 +141,7 @@ def cfg_for(tiny, traces, tmp_path, **over):
     return cfg
 
 
+@pytest.mark.slow
 def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_path):
     # ~120 steps: enough for a 1M model from scratch to pick up the tool syntax
     cfg = cfg_for(tiny, traces, tmp_path, epochs=9.6, batch_episodes=8, lr=5e-3, warmup_steps=10, save_every=0)
@@ -158,6 +159,7 @@ def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_pat
     assert any("loss" in r for r in rows) and (tmp_path / "t" / "final" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path, monkeypatch):
     over = dict(epochs=4 * 16 / 100, batch_episodes=16, save_every=2, lr=1e-3, mask_check=4,
                 eval=sft.EvalConfig(every=0, n_docs=0))
