@@ -307,9 +307,9 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
     for path in (cfg.docs, cfg.split):
         if not Path(path).exists():
             raise SystemExit(f"data.generate needs {path} (the documents and split whose held-out pools stay out "
-                             "of the stream): run `python synth_traces.py --config configs/synth_newsworld.yaml` "
-                             "and `python filter_traces.py --config configs/filter_newsworld.yaml`, or set "
-                             "data.split=''")
+                             f"of the stream): run `python data.py newsworld --n 1000 --seed 0 --out {cfg.docs}` and "
+                             f"`python data.py split --docs {cfg.docs} --out {cfg.split}` (the pipeline's docs "
+                             "and split stages), or set data.split=''")
     docs, manifest = data.read_documents(cfg.docs), data.read_manifest(cfg.split)
     guard = data.held_out_guard(docs, manifest, cfg.split)
     evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]

@@ -174,3 +174,9 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_base_stage_names_the_missing_documents_and_how_to_make_them(tmp_path):
+    cfg = sft.DataConfig(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
+    with pytest.raises(SystemExit, match=r"docs.jsonl .*python data.py newsworld .*python data.py split"):
+        sft.base_data(cfg, None, 4)
