@@ -295,10 +295,10 @@ def _flatten_yaml(cls: type, mapping: Any, prefix: str, source: str,
 def _set_cli(root: type, key: str, raw: str, out: dict) -> None:
     tp, names = root, key.split(".")
     for i, name in enumerate(names):
-        if not _is_group(tp) or name not in {f.name for f in _fields(tp)}:
+        fields = {f.name: f for f in _fields(tp)} if _is_group(tp) else {}
+        if name not in fields:
             raise _unknown(root, key, "command line")
-        field = next(f for f in _fields(tp) if f.name == name)
-        tp = _hints(tp)[name]
+        field, tp = fields[name], _hints(tp)[name]
         if _origin(tp) is dict and i == len(names) - 2:
             # `limits.top_k=1` sets one entry of a dict-valued key, keeping the others
             # (from the config file, else the field's default).

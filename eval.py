@@ -647,7 +647,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         t0 = time.perf_counter()
         kept[p] = []
         results[p] = m = evaluate_dir(p, docs, cfg, kept[p])
-        print(f"{p}: " + " | ".join(f"{k} {fmt(m.get(k))}" for k in ("rouge1", "factuality", "fact_precision", "pass",
+        print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in ("rouge1", "factuality", "fact_precision", "pass",
                                                                      "hallucination_rate", "valid_call_rate",
                                                                      "latency_p50_ms") if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")

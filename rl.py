@@ -317,7 +317,8 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
                          f"--n 1000 --seed 0 --out {cfg.train}`, or set data.generate=N)")
     held = data.read_documents(cfg.eval) if cfg.eval else None
     if cfg.split and Path(cfg.split).exists():
-        pools = json.loads(Path(cfg.split).read_text(encoding="utf-8"))["pools"]
+        manifest = data.read_manifest(cfg.split)
+        pools = manifest["pools"]
         train_ids, eval_ids = {e["id"] for e in pools["train"]}, {e["id"] for e in pools["eval"]}
         train = [d for d in docs if d.id in train_ids]
         held = [d for d in (held if held is not None else docs) if d.id in eval_ids]
@@ -326,7 +327,6 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
                              "a split of other documents? (data.split='' uses them all)")
         how += f", split {cfg.split}"
         if cfg.fresh:
-            manifest = data.read_manifest(cfg.split)
             train, skipped = data.fresh_documents(cfg.fresh, cfg.fresh_seed,
                                                   data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
