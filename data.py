@@ -2627,11 +2627,12 @@ def held_out_guard(docs: Sequence[Document], manifest: dict, where: str = "the m
     return LeakGuard(held, **manifest.get("clustering", {}))
 
 
-def fresh_documents(n: int, seed: int, guard: "LeakGuard | None" = None) -> tuple[list[Document], list[str]]:
-    """(documents, ids skipped): articles 0..n-1 of the world `seed`, less those
-    `guard` finds in a held-out cluster."""
+def fresh_documents(n: int | Iterable[int], seed: int, guard: "LeakGuard | None" = None
+                    ) -> tuple[list[Document], list[str]]:
+    """(documents, ids skipped): articles 0..n-1 (or the indices `n`) of the world
+    `seed`, less those `guard` finds in a held-out cluster."""
     kept, skipped = [], []
-    for i in range(n):
+    for i in (range(n) if isinstance(n, int) else n):
         doc = world_document(seed, i)
         if guard is not None and guard.match(doc) is not None:
             skipped.append(doc.id)

@@ -283,13 +283,9 @@ class WorldStream:
     def documents(self, m: int) -> list:
         import data
 
-        out = []
-        for j in range(m * self.batch, (m + 1) * self.batch):
-            doc = data.world_document(self.cfg.world_seed, j % self.cfg.generate)
-            if self.guard is not None and self.guard.match(doc) is not None:
-                self.skipped.add(doc.id)
-                continue
-            out.append(doc)
+        indices = (j % self.cfg.generate for j in range(m * self.batch, (m + 1) * self.batch))
+        out, skipped = data.fresh_documents(indices, self.cfg.world_seed, self.guard)
+        self.skipped.update(skipped)
         return out
 
     def episodes(self, m: int, tokenizer) -> list[sandbox.Episode]:
