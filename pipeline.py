@@ -2,7 +2,7 @@
 
     news world -> base -> traces -> corpus -> SFT -> Dr. GRPO -> eval -> distill -> headline table
 
-    python pipeline.py                  # the chain (about 16 minutes on two cores)
+    python pipeline.py                  # the chain (about 14 minutes on two cores)
     python pipeline.py --full           # + the rules-only RL baseline, the three ablations, SFT without masking
     python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
     python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
