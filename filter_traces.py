@@ -66,6 +66,7 @@ from tqdm import tqdm
 
 import common
 import data
+import rewards
 import sandbox
 from synth_traces import body, correction_steps, oracle_flags, read_traces, tfidf_cosine
 
@@ -97,7 +98,7 @@ class Config:
     max_deletes: int = 5
     max_tokens: int = 2048  # the trainer's sequence budget
     relevance_min: float = 0.3  # TF-IDF cosine of top result and correction
-    factuality: Literal["lexical", "oracle", "fenice"] = "lexical"  # scorer of the gain
+    factuality: Literal["lexical", "support", "learned", "oracle", "fenice"] = "lexical"  # scorer of the gain (lexical sees the drafter's in-document swaps; support does not)
     gain_min: float = 0.05
     result_tokens: int = 200  # policy tokens per results block
     limits: dict[str, int] = field(default_factory=dict)  # other sandbox limits of the replay (as the synth run's)
@@ -197,26 +198,13 @@ def uncorrected_draft(ep: sandbox.Episode) -> str:
 
 
 def factuality(doc: data.Document | str, summary: str, backend: str = "lexical") -> float:
-    """F in [0, 1]: `rewards.lexical_factuality` (a model-free approximation),
-    the news world's oracle (`data.oracle_fact_score`), or FENICE through rewards."""
+    """F in [0, 1] from a reward backend: lexical, support or learned (model-free),
+    the news world's oracle (`data.oracle_fact_score`), or FENICE."""
     return factuality_batch([(doc, summary)], backend)[0]
 
 
 def factuality_batch(pairs: Sequence[tuple[data.Document | str, str]], backend: str = "lexical") -> list[float]:
-    if backend == "oracle":
-        for d, _ in pairs:
-            if not getattr(d, "facts", None):
-                raise ValueError("factuality='oracle' needs news world documents (with a fact table)")
-        return [float(data.oracle_fact_score(d, s)) for d, s in pairs]
-    import rewards  # imported here: its FENICE path pulls in torch
-
-    text = lambda d: d if isinstance(d, str) else d.text  # noqa: E731
-    if backend == "lexical":
-        return [float(rewards.lexical_factuality(text(d), s)) for d, s in pairs]
-    if backend == "fenice":
-        res = rewards.fenice_for(rewards.FeniceConfig()).score_batch([(text(d), s) for d, s in pairs])
-        return [float(r["score"]) for r in res]
-    raise ValueError(f"unknown factuality backend {backend!r} (lexical, oracle, fenice)")
+    return rewards.factuality_batch(pairs, rewards.RewardConfig(factuality=backend))
 
 
 def refit_results(ep: sandbox.Episode, length_fn: Callable[[str], int], result_tokens: int,
@@ -605,8 +593,7 @@ def main(cfg: Config) -> dict:
     kinds = Counter(ep.meta.get("trace_kind", "?") for ep in corpus)
     report = {"input": funnel.n, "gates": funnel.rows, "train": len(split["train"]), "eval": len(split["eval"]),
               "withheld_never_touch": len(split["never_touch"]), "kinds": dict(kinds),
-              "factuality_backend": {"lexical": "lexical (model-free approximation)", "oracle":
-                                     "oracle (news world fact table)", "fenice": "fenice"}[cfg.factuality],
+              "factuality_backend": rewards.BACKEND_NAMES[cfg.factuality],
               "relevance_min": cfg.relevance_min, "gain_min": cfg.gain_min, "noise": noise,
               "manifest": cfg.split.manifest_path, "seconds": round(secs, 2),
               "traces_per_s": round(funnel.n / max(secs, 1e-9), 1)}

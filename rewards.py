@@ -8,7 +8,7 @@ combined reward and its curriculum (DESIGN.md section 5).
 The gate and the pass bonus close the reward's holes (a reward must not pay for
 saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
 
-`F` comes from one of three backends, chosen by `RewardConfig.factuality`:
+`F` comes from one of five backends, chosen by `RewardConfig.factuality`:
 - "fenice": FENICE (Scire et al. 2024): claims from a seq2seq extractor, NLI of
   each claim against document sentences, 5-sentence chunks and the whole
   document, best alignment per claim, mean over claims. Needs torch and two HF
@@ -17,10 +17,15 @@ saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
   are the summary's sentences, each scored by its best-supporting document
   sentence on content words, entities and numbers. It is reported as
   "lexical (model-free approximation)" and is not FENICE.
+- "support": a model-free scorer for real text: the share of each summary
+  sentence's content words the document holds, times how many adjacent word
+  pairs co-occur there; the worst sentence. Reported as SUPPORT_NAME.
+- "learned": factcheck.py's logistic regression over model-free features,
+  weights from `reward.learned.path`. Reported as LEARNED_NAME.
 - "oracle": the built-in news world's fact table (`data.oracle_fact_score`, the share of
   sentences with no error; `oracle_unit="fact"`: `data.oracle_fact_precision`).
 
-Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`,
+Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `support_factuality`, `factuality_batch`,
 `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
 Every rule is total: any input (empty, huge, binary junk, markup) gets a score
 in [0, 1] and never raises; a summary with no words scores 0 on every rule.
@@ -57,7 +62,10 @@ import sandbox
 
 RULES = ("length", "entities", "numbers", "repetition", "profanity", "tool_format")
 LEXICAL_NAME = "lexical (model-free approximation)"
-BACKEND_NAMES = {"fenice": "fenice", "lexical": LEXICAL_NAME, "oracle": "oracle (news world fact table)"}
+SUPPORT_NAME = "support (model-free, document-level word support)"
+LEARNED_NAME = "learned (logistic regression over model-free features)"
+BACKEND_NAMES = {"fenice": "fenice", "lexical": LEXICAL_NAME, "support": SUPPORT_NAME, "learned": LEARNED_NAME,
+                 "oracle": "oracle (news world fact table)"}
 
 
 def _rule_map(values: dict[str, float], defaults: dict[str, float], what: str) -> dict[str, float]:
@@ -110,6 +118,18 @@ class LexicalConfig:
 
 
 @dataclass
+class SupportConfig:
+    window: int = 1  # two content words co-occur when they are at most this many document sentences apart
+    pair_exponent: float = 0.5  # weight of the co-occurrence share against the word share
+    reduce: Literal["min", "mean"] = "min"  # over summary sentences
+
+
+@dataclass
+class LearnedConfig:
+    path: str = "scorers/learned.json"  # shipped; rewritten by `python factcheck.py train` (see factcheck.py)
+
+
+@dataclass
 class FeniceConfig:
     claim_model: str = "Babelscape/t5-base-summarization-claim-extractor"  # HF id or local path (seq2seq)
     nli_model: str = "MoritzLaurer/DeBERTa-v3-large-mnli-fever-anli-ling-wanli"  # HF id or path (3-way NLI)
@@ -154,7 +174,7 @@ class CurriculumConfig:
 
 @dataclass
 class RewardConfig:
-    factuality: Literal["fenice", "lexical", "oracle"] = "lexical"  # backend of F
+    factuality: Literal["fenice", "lexical", "support", "learned", "oracle"] = "lexical"  # backend of F
     # The oracle's unit: "sentence", the share of summary sentences with no error;
     # "fact", the share of stated names, numbers and dates it supports (fact precision).
     oracle_unit: Literal["sentence", "fact"] = "sentence"
@@ -172,6 +192,8 @@ class RewardConfig:
     gate: bool = True
     rules: RuleConfig = field(default_factory=RuleConfig)
     lexical: LexicalConfig = field(default_factory=LexicalConfig)
+    support: SupportConfig = field(default_factory=SupportConfig)
+    learned: LearnedConfig = field(default_factory=LearnedConfig)
     fenice: FeniceConfig = field(default_factory=FeniceConfig)
     tools: ToolTermsConfig = field(default_factory=ToolTermsConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
@@ -1094,6 +1116,108 @@ def lexical_factuality(document: Any, summary: Any, cfg: RewardConfig | None = N
 
 
 # ---------------------------------------------------------------------------
+# Support factuality (model-free, for real text)
+# ---------------------------------------------------------------------------
+# Measured on FRANK's human labels (bench/factuality.py), what separates a
+# faithful system summary from one with an error is mostly whether its words
+# are in the document at all, not which single sentence holds them: summaries
+# of real news fuse several sentences, and the best-premise alignment the
+# lexical scorer uses (built for the news world's swaps) loses to a plain
+# word-overlap baseline there. So a summary sentence scores
+#     share of its content words whose stem the document holds
+#   x (share of adjacent content-word pairs that co-occur within `window`
+#      document sentences) ** pair_exponent
+# (the pairs catch a right word bound to the wrong thing: "the 39-year-old was
+# sacked" when the document sacked someone else), and F is the minimum over
+# sentences (one wrong sentence makes the summary wrong). Case is ignored, so
+# lower-cased system output scores like cased text. Numbers are words here:
+# "4.2" must appear as written ("4.2 billion" vs "4,200 million" does not meet).
+
+_SUPPORT_TOKEN_RE = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
+# Irregular forms the suffix stripper cannot join ("said" / "says").
+_IRREGULAR = {
+    "said": "say", "says": "say", "won": "win", "wins": "win", "lost": "lose", "loses": "lose", "made": "make",
+    "took": "take", "taken": "take", "gave": "give", "given": "give", "went": "go", "gone": "go", "came": "come",
+    "found": "find", "told": "tell", "left": "leave", "held": "hold", "paid": "pay", "met": "meet",
+    "became": "become", "began": "begin", "begun": "begin", "brought": "bring", "bought": "buy",
+    "thought": "think", "sold": "sell", "spent": "spend", "led": "lead", "fell": "fall", "fallen": "fall",
+    "rose": "rise", "risen": "rise", "ran": "run", "saw": "see", "seen": "see", "got": "get", "kept": "keep",
+    "knew": "know", "known": "know", "felt": "feel", "built": "build", "struck": "strike", "shot": "shoot",
+    "men": "man", "women": "woman", "children": "child", "people": "person"}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _support_word(tok: str) -> str | None:
+    t = tok.lower().replace("’", "'")
+    if t.endswith("'s"):
+        t = t[:-2]
+    if t in STOPWORDS:
+        return None
+    return _stem(_IRREGULAR.get(t, t))
+
+
+def _support_words(sentence: str) -> list[str]:
+    return [w for w in map(_support_word, _SUPPORT_TOKEN_RE.findall(sentence)) if w]
+
+
+_SUPPORT_DOCS = LRU(512)
+
+
+def support_document(document: Any) -> dict[str, frozenset]:
+    """Content stem -> the document sentences holding it (cached per text)."""
+    text = _text_of(document)
+    key = text_key(text)
+    post = _SUPPORT_DOCS.get(key)
+    if post is None:
+        acc = collections.defaultdict(set)
+        for i, sent in enumerate(sandbox.split_sentences(text)):
+            for w in _support_words(sent):
+                acc[w].add(i)
+        post = {w: frozenset(v) for w, v in acc.items()}
+        _SUPPORT_DOCS.put(key, post)
+    return post
+
+
+def _near(a: frozenset, b: frozenset, window: int) -> bool:
+    if a & b:
+        return True
+    return window > 0 and any(i + d in b for i in a for d in range(-window, window + 1) if d)
+
+
+def support_details(document: Any, summary: Any, cfg: SupportConfig | None = None) -> tuple[float, list[dict]]:
+    """(F, one detail per summary sentence: its score, word share, pair share and
+    the words the document lacks). A sentence with no content word scores 0, as
+    does a summary with none."""
+    cfg = cfg or SupportConfig()
+    post = support_document(document)
+    details = []
+    for sent in sandbox.split_sentences(_text_of(summary)):
+        found = [(w, tok) for tok in _SUPPORT_TOKEN_RE.findall(sent) if (w := _support_word(tok))]
+        words = [w for w, _ in found]
+        if not words:
+            details.append({"claim": sent, "score": 0.0, "words": 0.0, "pairs": 0.0, "unsupported": [],
+                            "skipped": "no content"})
+            continue
+        held = [post.get(w) for w in words]
+        word_share = sum(h is not None for h in held) / len(words)
+        pairs = list(zip(held, held[1:]))
+        pair_share = (sum(a is not None and b is not None and _near(a, b, cfg.window) for a, b in pairs)
+                      / len(pairs)) if pairs else word_share
+        details.append({"claim": sent, "score": word_share * pair_share ** cfg.pair_exponent,
+                        "words": word_share, "pairs": pair_share,
+                        "unsupported": [tok.lower() for (_, tok), h in zip(found, held) if h is None]})
+    if not details:
+        return 0.0, []
+    scores = [d["score"] for d in details]
+    return float(min(scores) if cfg.reduce == "min" else sum(scores) / len(scores)), details
+
+
+def support_factuality(document: Any, summary: Any, cfg: SupportConfig | None = None) -> float:
+    """The support factuality score in [0, 1]: model-free, reported as SUPPORT_NAME."""
+    return support_details(document, summary, cfg)[0]
+
+
+# ---------------------------------------------------------------------------
 # FENICE
 # ---------------------------------------------------------------------------
 # The reference (github.com/Babelscape/FENICE, metric/FENICE.py) per summary:
@@ -1707,6 +1831,13 @@ class Scorer:
     def factuality(self, docs: list, summaries: list, infos: list, cfg: RewardConfig) -> list[tuple[float, Any]]:
         if cfg.factuality == "lexical":
             return [lexical_details(d, s, cfg) for d, s in zip(infos, summaries)]
+        if cfg.factuality == "support":
+            return [support_details(d, s.text, cfg.support) for d, s in zip(docs, summaries)]
+        if cfg.factuality == "learned":
+            import factcheck  # the learned scorer's features and weights; imported only for this backend
+
+            model = factcheck.load(cfg.learned.path)
+            return [(model.score(d, s.text), None) for d, s in zip(docs, summaries)]
         if cfg.factuality == "fenice":
             res = self.fenice(cfg.fenice).score_batch([(_text_of(d), s.text) for d, s in zip(docs, summaries)])
             return [(r["score"], r["claims"]) for r in res]
@@ -1721,7 +1852,7 @@ class Scorer:
                 score = data.oracle_fact_precision if cfg.oracle_unit == "fact" else data.oracle_fact_score
                 out.append((float(score(d, s.text)), data.oracle_errors(d, s.text)))
             return out
-        raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, oracle)")
+        raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, support, learned, oracle)")
 
     def score_batch(self, items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None,
                     teacher: dict | None = None) -> list[dict]:
@@ -1770,6 +1901,16 @@ def content_gate(s: SummaryInfo, scores: dict[str, float]) -> float:
     content word, name or number (RewardConfig.gate)."""
     says = any(c.clauses for c in s.claims)
     return scores["length"] * scores["repetition"] if says else 0.0
+
+
+def factuality_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None) -> list[float]:
+    """F alone for (document, summary) pairs, from `cfg.factuality`'s backend."""
+    cfg = cfg or _DEFAULT_CFG
+    items = list(items)
+    docs = [d for d, _ in items]
+    facts = Scorer(cfg).factuality(docs, [summary_info(s, cfg) for _, s in items],
+                                   [document_info(d, cfg) for d in docs], cfg)
+    return [float(f) for f, _ in facts]
 
 
 def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None, scorer: Scorer | None = None,
