@@ -1,0 +1,193 @@
+"""The learned factuality scorer: logistic regression over model-free features.
+
+    python factcheck.py train [--frank out/factuality/frank.jsonl] [--newsworld 300] [--out scorers/learned.json]
+
+A small stand-in for a distilled factuality model: three features that cost no
+model (the support score, the verbatim trigram share, numerals the document
+lacks), weighed by a ridge logistic regression on soft targets, trained on
+  - the news world: reference summaries and faulty drafts (`data.draft`) of
+    `--newsworld` documents, the target the oracle's share of error-free sentences;
+  - a public human-labelled set in bench/factuality.py's record format, its
+    dev split only (FRANK's validation articles), when `--frank` is given; the
+    target the human score (the share of sentences the annotators found no error in).
+Training takes seconds. `reward.factuality: learned` loads the weights
+from `reward.learned.path`; the shipped scorers/learned.json was trained with
+the command above (FRANK converted as bench/factuality.py explains).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import rewards as R
+import sandbox
+
+FEATURES = ("support_min", "trigrams_min", "unsupported_numbers")
+# Ridge strength per standardised feature: the support score enters freely, the
+# others as corrections (chosen by 5-fold cross-validation on FRANK's dev split:
+# with every candidate feature free, the fit ranked CNN/DM summaries worse than
+# the support score alone).
+L2 = (0.0, 30.0, 30.0)
+_NGRAM_DOCS = R.LRU(512)
+_TOKEN_RE = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
+
+
+def _lower_tokens(text: str) -> list[str]:
+    return [t.lower().replace("’", "'") for t in _TOKEN_RE.findall(text)]
+
+
+def _trigrams(text: str) -> set:
+    key = R.text_key(text)
+    hit = _NGRAM_DOCS.get(key)
+    if hit is None:
+        t = _lower_tokens(text)
+        hit = set(zip(t, t[1:], t[2:]))
+        _NGRAM_DOCS.put(key, hit)
+    return hit
+
+
+def features(document, summary: str, support: R.SupportConfig | None = None) -> list[float]:
+    """The feature vector of one (document, summary) pair, in FEATURES order:
+    the support score, the lowest share of a summary sentence's word trigrams
+    found verbatim in the document, and the number of numerals it lacks."""
+    text = R._text_of(document)
+    f_support, rows = R.support_details(text, summary, support)
+    rows = [r for r in rows if "skipped" not in r]
+    if not rows:
+        return [0.0, 0.0, 0.0]
+    doc_tri = _trigrams(text)
+    shares = []
+    for r in rows:
+        t = _lower_tokens(r["claim"])
+        grams = list(zip(t, t[1:], t[2:]))
+        shares.append(sum(g in doc_tri for g in grams) / len(grams) if grams else 1.0)
+    numbers = sum(w[0].isdigit() for r in rows for w in r["unsupported"])
+    return [f_support, min(shares), float(numbers)]
+
+
+class Model:
+    """Standardised features -> logistic regression -> P(no error)."""
+
+    def __init__(self, mean, std, coef, bias, meta=None):
+        self.mean, self.std = np.asarray(mean, float), np.asarray(std, float)
+        self.coef, self.bias = np.asarray(coef, float), float(bias)
+        self.meta = meta or {}
+
+    def predict(self, X) -> np.ndarray:
+        z = ((np.asarray(X, float) - self.mean) / self.std) @ self.coef + self.bias
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def score(self, document, summary: str) -> float:
+        if not sandbox.split_sentences(summary):
+            return 0.0
+        return float(self.predict([features(document, summary)])[0])
+
+    def to_json(self) -> dict:
+        return {"features": list(FEATURES), "mean": self.mean.tolist(), "std": self.std.tolist(),
+                "coef": self.coef.tolist(), "bias": self.bias, "meta": self.meta}
+
+
+@functools.lru_cache(maxsize=8)
+def load(path: str) -> Model:
+    """The weights at `path`; a missing or foreign file is an error naming the train command."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no learned scorer here; train one with "
+                                f"`python factcheck.py train --out {path}` (reward.learned.path names it)")
+    try:
+        d = json.loads(p.read_text())
+        if d["features"] != list(FEATURES):
+            raise ValueError(f"its features {d['features']} are not this version's {list(FEATURES)}")
+        return Model(d["mean"], d["std"], d["coef"], d["bias"], d.get("meta"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a learned scorer file ({e}); retrain with "
+                         f"`python factcheck.py train --out {path}`") from None
+
+
+def fit(X, y, w=None, l2=L2, iters: int = 50) -> Model:
+    """Weighted ridge logistic regression by Newton's method (the problem is
+    tiny); `y` may be soft (a share in [0, 1]); `l2` per feature."""
+    X, y = np.asarray(X, float), np.asarray(y, float)
+    w = np.ones(len(y)) if w is None else np.asarray(w, float)
+    mean, std = X.mean(0), X.std(0)
+    std[std < 1e-9] = 1.0
+    Z = np.hstack([(X - mean) / std, np.ones((len(X), 1))])
+    beta = np.zeros(Z.shape[1])
+    reg = np.append(np.broadcast_to(np.asarray(l2, float), (X.shape[1],)), 0.0)  # the bias is not shrunk
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-Z @ beta))
+        grad = Z.T @ (w * (p - y)) + reg * beta
+        H = (Z * (w * p * (1 - p))[:, None]).T @ Z + np.diag(reg)
+        step = np.linalg.solve(H, grad)
+        beta -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return Model(mean, std, beta[:-1], beta[-1])
+
+
+def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
+    """(document, summary, target) from the news world: the reference and two
+    drafts per document, the target the oracle's share of sentences with no
+    error (FRANK's human score is the same share, by annotators)."""
+    import data
+
+    rng = random.Random(seed)
+    out = []
+    for doc in data.newsworld(n_docs, seed=seed):
+        for summary in (doc.summary, data.draft(doc, rng)[0], data.draft(doc, rng)[0]):
+            out.append((doc, summary, float(data.oracle_fact_score(doc, summary))))
+    return out
+
+
+def train(frank: str | None, n_newsworld: int) -> Model:
+    """Fit on the news world and, given `frank`, the dev split of those records
+    (target: the human score, the share of sentences without an error)."""
+    X, y, counts = [], [], {}
+    for doc, summary, target in newsworld_pairs(n_newsworld):
+        X.append(features(doc, summary))
+        y.append(target)
+        counts["newsworld"] = counts.get("newsworld", 0) + 1
+    if frank:
+        sys.path.insert(0, str(Path(__file__).parent / "bench"))
+        import factuality_data
+
+        for r in factuality_data.load(frank):
+            if r["split"] == "dev":
+                X.append(features(r["document"], r["summary"]))
+                y.append(r["human"])
+                counts[r["source"]] = counts.get(r["source"], 0) + 1
+    if not X:
+        raise SystemExit("nothing to train on: give --newsworld > 0 or --frank")
+    model = fit(X, y)
+    model.meta = {"trained_on": counts, "l2": list(L2), "frank": Path(frank).name if frank else None,
+                  "splits_used": "dev only"}
+    return model
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="fit the scorer and write its weights")
+    t.add_argument("--frank", help="records in bench/factuality.py's format; only split=dev is used")
+    t.add_argument("--newsworld", type=int, default=300, help="news world documents (3 summaries each)")
+    t.add_argument("--out", default=R.LearnedConfig().path)
+    args = ap.parse_args(argv)
+    model = train(args.frank, args.newsworld)
+    model.meta["command"] = "python factcheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(model.to_json(), indent=1) + "\n")
+    print(f"wrote {out}: trained on {model.meta['trained_on']}")
+    for name, c in sorted(zip(FEATURES, model.coef), key=lambda x: -abs(x[1])):
+        print(f"  {name:20s} {c:+.3f}")
+
+
+if __name__ == "__main__":
+    main()
