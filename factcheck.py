@@ -155,7 +155,7 @@ def train(frank: str | None, n_newsworld: int) -> Model:
         y.append(target)
         counts["newsworld"] = counts.get("newsworld", 0) + 1
     if frank:
-        sys.path.insert(0, str(Path(__file__).parent / "bench"))
+        sys.path.append(str(Path(__file__).parent / "bench"))  # appended: bench/ must not shadow the modules
         import factuality_data
 
         for r in factuality_data.load(frank):

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # before bench/, whose rewards.py is a benchmark, not the module
 import rewards as R  # noqa: E402
 
-sys.path.insert(1, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
 import factuality_data as FD  # noqa: E402
 
 SAMPLE = ROOT / "bench" / "data" / "factuality_sample.jsonl"
@@ -214,7 +214,6 @@ def main(argv=None) -> None:
         FD.write(records, args.out)
         print(f"wrote {len(records)} records to {args.out}")
         return
-    one_core()
     records = FD.load(args.data)
     if args.newsworld > 0:
         records += newsworld_records(args.newsworld)
@@ -232,4 +231,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    one_core()  # here, not in main(): a test calling main() must not pin the whole test process
     main()

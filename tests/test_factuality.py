@@ -14,10 +14,8 @@ import factcheck as FC
 import rewards as R
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(1, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
 import factuality_data as FD  # noqa: E402
-
-sys.path.remove(str(ROOT / "bench"))
 
 DOC = ("Granite Group reported revenue of $4.2 billion on Tuesday. Chief executive Jane Doe said the "
        "company would open two factories in Ohio. The shares rose 12% in New York trading. "
@@ -249,7 +247,7 @@ def test_balanced_accuracy_threshold_and_kendall_by_hand():
     x, h = np.array([1, 2, 2, 3]), np.array([1, 1, 2, 3])
     # pairs: (0,1) x+ h0; (0,2) ++; (0,3) ++; (1,2) x0 h+; (1,3) ++; (2,3) ++ -> C=4, D=0, n_x=5, n_h=5
     assert b.kendall_tau(x, h) == pytest.approx(4 / 5)
-    from scipy.stats import kendalltau
+    kendalltau = pytest.importorskip("scipy.stats").kendalltau  # a cross-check where scipy is installed
 
     r = np.random.RandomState(1)
     u, v = r.randint(0, 4, 50), r.rand(50)
