@@ -610,16 +610,26 @@ def _score_trees(model, chunk, out, temperature, dev):
 # ---------------------------------------------------------------------------
 
 
-def _drive_multiturn(builders, generate_round, max_new_tokens):
+def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens=None):
     """The loop shared by request-based backends: each round, every unfinished
     episode is sent its whole context and generates until a stop; its tokens
     are pushed through the builder, which decides what follows.
     `generate_round([(builder, budget)]) -> [(ids, logprobs or None, finish)]`,
-    finish "length" when the budget ran out, else "stop"."""
+    finish "length" when the budget ran out, "stop_string" when a stop string
+    ended the round, else "stop".
+
+    A round that ends at a stop string the builder does not read as a tool call
+    (a "/>" that closes no <delete .../> tag) is not a turn end: the episode is
+    sent again and goes on, as the hf engines' token loop would. A context that
+    reaches `max_context_tokens` ends the episode, truncated, as in the hf
+    engines: the budget of a round is what is left of both limits."""
+    limit = max_context_tokens if max_context_tokens else float("inf")
     n_gen = [0] * len(builders)
     active = list(range(len(builders)))
     while active:
-        results = generate_round([(builders[i], max_new_tokens - n_gen[i]) for i in active])
+        budgets = [max(1, int(min(max_new_tokens - n_gen[i], limit - len(builders[i].context_ids()))))
+                   for i in active]
+        results = generate_round([(builders[i], k) for i, k in zip(active, budgets)])
         nxt = []
         for i, (ids, lps, finish) in zip(active, results):
             b = builders[i]
@@ -629,14 +639,18 @@ def _drive_multiturn(builders, generate_round, max_new_tokens):
                 if b.push(t, lp):
                     stopped = True
                     break
-            if stopped or (finish == "stop" and n_gen[i] < max_new_tokens):
+            out_of_room = n_gen[i] >= max_new_tokens or len(b.context_ids()) >= limit
+            if stopped:
                 act = b.end_turn()
+            elif finish == "stop_string" and not out_of_room:
+                nxt.append(i)  # a stop string that is no tool call: keep generating this turn
+                continue
             else:
                 act = b.end_turn("truncated")
             if act.kind == "done":
                 continue
-            if n_gen[i] >= max_new_tokens:
-                b.end_turn("truncated")  # out of budget right after a tool call
+            if n_gen[i] >= max_new_tokens or len(b.context_ids()) >= limit:
+                b.end_turn("truncated")  # no room left after the tool call
             else:
                 nxt.append(i)
         active = nxt
@@ -685,10 +699,12 @@ def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, lim
         for o in outs:
             c = o.outputs[0]
             lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
-            res.append((list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop"))
+            finish = ("length" if c.finish_reason == "length"
+                      else "stop_string" if isinstance(c.stop_reason, str) else "stop")
+            res.append((list(c.token_ids), lps, finish))
         return res
 
-    return _drive_multiturn(builders, generate_round, cfg.max_new_tokens)
+    return _drive_multiturn(builders, generate_round, cfg.max_new_tokens, cfg.max_context_tokens)
 
 
 # ---------------------------------------------------------------------------

@@ -528,25 +528,29 @@ def test_stop_string_inside_a_token(model, fake_vllm):
     assert eps[1].summary.startswith("Short one.") and "Bad one" not in eps[1].summary
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'rollout_vllm stops every round at the stop string "/>", and _drive_multiturn then ends the turn '
-    '(end_turn()) even though the builder saw no tool call: a "/>" that closes no <delete .../> tag ends '
-    'the episode there as if at end-of-turn, where the hf engines keep generating'))
 @pytest.mark.parametrize("written", [
     "Acme grew 12%/> and more. Done.",  # in summary text
     "<search>revenue/>of</search> Acme grew.",  # in a search query
 ])
 def test_lone_close_does_not_end_the_episode(model, fake_vllm, written):
+    """vLLM stops every round at "/>"; one that closes no <delete .../> tag must not end the
+    episode (the hf engines keep generating), so the round is resubmitted and goes on."""
     eps, oracle, _ = run_both(model, [DOC], [script_ids(TOK, written)])
     assert "".join(t.text for t in oracle[0].turns) == written  # the oracle wrote the whole script
     assert_same(eps, oracle)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rollout_vllm ignores SamplingConfig.max_context_tokens: a row whose context passes it is not ended "
-    "as truncated (the hf engines end it); on vLLM a context past max_model_len makes generate raise"))
-def test_max_context_tokens_truncates_like_hf(model, fake_vllm):
-    limit = len(prompt_key(DOC)) + 30  # room for the search call, not for its results
-    eps, oracle, _ = run_both(model, [DOC], [script_ids(TOK, SCRIPTS[0])], max_context_tokens=limit)
+@pytest.mark.parametrize("room", [
+    6,  # mid-text, before any call
+    30,  # room for the search call, not for its results
+    0,  # a prompt that already fills the context: one token, then truncated
+])
+def test_max_context_tokens_truncates_like_hf(model, fake_vllm, room):
+    """A context that reaches max_context_tokens ends the row, truncated, as the hf engines do
+    (on vLLM a context past max_model_len would make generate raise)."""
+    limit = len(prompt_key(DOC)) + room
+    eps, oracle, llm = run_both(model, [DOC], [script_ids(TOK, SCRIPTS[0])], max_context_tokens=limit)
     assert oracle[0].flags.get("truncated")
     assert_same(eps, oracle)
+    assert all(len(r.prompt_token_ids) + r.params.max_tokens <= max(limit, len(r.prompt_token_ids) + 1)
+               for r in llm.requests)
