@@ -962,11 +962,31 @@ def load_tokenizer(name_or_path: str):
     as Llama 3 does; loss masks come from the episode, never from pad ids)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    path = resolve_model_path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    tok.generation_eos_ids = generation_eos_ids(path)
     return tok
+
+
+def generation_eos_ids(name_or_path: str) -> list[int]:
+    """The end ids of a model's generation config (`eos_token_id`, an int or a
+    list: Qwen3's is [<|im_end|>, <|endoftext|>]); [] when it has none or it
+    cannot be read (a hub id with no local copy)."""
+    local = Path(name_or_path) / "generation_config.json"
+    try:
+        if local.exists():
+            eos = json.loads(local.read_text()).get("eos_token_id")
+        else:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
+    except Exception:  # no generation config is not an error: the tokenizer's ids remain
+        return []
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted({int(i) for i in eos if isinstance(i, int) and i >= 0})
 
 
 def _require(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
@@ -1100,6 +1120,7 @@ def _load_unsloth(cfg: ModelConfig, train: bool):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    tok.generation_eos_ids = generation_eos_ids(resolve_model_path(cfg.name_or_path))
     return model, tok
 
 

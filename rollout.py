@@ -124,9 +124,13 @@ class ScriptedProcessor:
 
 
 def stop_ids(tokenizer) -> list[int]:
-    """End-of-turn ids: eos, plus a chat template's end-of-turn token if distinct."""
+    """End-of-turn ids: eos, the model's generation-config end ids (recorded on the
+    tokenizer by `common.load_tokenizer`), and every end-of-turn or end-of-text
+    token the vocabulary has (a chat model that writes <|endoftext|> instead of
+    <|im_end|> must stop there too, not run on to the token limit)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for name in ("<|eot|>", "<|eot_id|>", "<|im_end|>", "<|end|>"):
+    ids.update(getattr(tokenizer, "generation_eos_ids", None) or ())
+    for name in ("<|eot|>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>"):
         i = tokenizer.convert_tokens_to_ids(name)
         if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0:
             ids.add(i)

@@ -250,3 +250,28 @@ def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - n
         assert ep.has_ids and len(ep.contexts()) == len(ep.turns)
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(lps[e][ti].cpu(), torch.tensor(t.logprobs), atol=5e-2)
+
+
+def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_path):
+    """A Qwen3-style model: eos <|im_end|>, generation config [<|im_end|>, <|endoftext|>]; a
+    chat model that writes <|endoftext|> must stop there, not run on to the token limit."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import common
+
+    vocab = {"<|im_end|>": 0, "<|endoftext|>": 1, "<|pad|>": 2, "a": 3, "b": 4, "<|special|>": 5}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                  extra_special_tokens=["<|endoftext|>", "<|special|>"])
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    loaded = common.load_tokenizer(str(tmp_path))
+    assert loaded.generation_eos_ids == [0, 5]
+    assert R.stop_ids(loaded) == [0, 1, 5]  # eos, <|endoftext|> by name, the config's 5
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert common.load_tokenizer(str(tmp_path)).generation_eos_ids == []
+    assert common.generation_eos_ids(str(tmp_path / "nowhere")) == []
