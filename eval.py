@@ -392,7 +392,7 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     # -- sampled: pass@k ------------------------------------------------------
     n = cfg.n_samples
     sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
-    gen = torch.Generator().manual_seed(cfg.seed)  # the same draws for every model compared
+    gen = rollout.make_generator(cfg.seed, model)  # the same draws for every model compared
     s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}")
     s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
     passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))]

@@ -483,7 +483,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     lora = bool(getattr(model, "peft_config", None))
     ref_copy = common.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
     limits = sandbox.Limits.make(**cfg.limits)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = rollout.make_generator(cfg.seed, model)
     scorer = rewards.Scorer(cfg.reward)
     G, temperature = cfg.group_size, cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
 
@@ -538,7 +538,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         """Greedy rollouts on held-out documents, scored by the configured reward
         (pass at the first tau, so evaluations compare across the curriculum)."""
         ecfg = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
-        eps = sample(eval_docs, 1, ecfg, torch.Generator().manual_seed(cfg.seed))
+        eps = sample(eval_docs, 1, ecfg, rollout.make_generator(cfg.seed, model))
         scores = rewards.score_batch(list(zip(eval_docs, eps)), eval_reward)
         out = {f"eval_{k}": mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
         ts = sandbox.tool_stats(eps)

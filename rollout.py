@@ -70,6 +70,15 @@ class SamplingConfig:
 # ---------------------------------------------------------------------------
 
 
+def make_generator(seed: int, device: torch.device | str | torch.nn.Module = "cpu") -> torch.Generator:
+    """A seeded sampling generator on `device` (or a model's device): torch draws
+    with a generator only on its own device, so a CUDA policy's logits need a CUDA
+    generator. On CPU it draws what `torch.Generator().manual_seed(seed)` draws."""
+    if isinstance(device, torch.nn.Module):
+        device = next(device.parameters()).device
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
            processed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their log-probs. logits: (B, V) raw model logits.
@@ -90,7 +99,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
             drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if generator is not None and generator.device.type != probs.device.type:
+            # a generator from elsewhere (a resumed CPU state): draw where it lives, correct if slower
+            tok = torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+        else:
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -336,7 +349,7 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
     was_training = model.training
     model.eval()
     try:
-        generator = generator or torch.Generator().manual_seed(cfg.seed)
+        generator = generator or make_generator(cfg.seed, model)
         per_chunk = max(1, cfg.batch_size // group_size)
         episodes: list[sandbox.Episode] = []
         for s in range(0, len(documents), per_chunk):

@@ -356,7 +356,7 @@ def main(cfg: Config) -> dict:
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     limits = sandbox.Limits.make(**cfg.limits)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = rollout.make_generator(cfg.seed, model)
 
     stream = None
     if cfg.data.generate:

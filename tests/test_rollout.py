@@ -275,3 +275,24 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
     (tmp_path / "generation_config.json").write_text("{not json")
     assert common.load_tokenizer(str(tmp_path)).generation_eos_ids == []
     assert common.generation_eos_ids(str(tmp_path / "nowhere")) == []
+
+
+def test_make_generator_lives_on_the_models_device_and_draws_like_the_default():
+    model = tiny_llama(bpe_tokenizer())
+    g = R.make_generator(7, model)
+    assert g.device == next(model.parameters()).device
+    assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(7)))
+    logits = torch.randn(4, 50)
+    a = R.sample(logits, 1.0, 1.0, R.make_generator(3, "cpu"))
+    b = R.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_sampling_cuda_logits_with_a_cuda_generator_and_with_a_resumed_cpu_one():
+    logits = torch.randn(4, 50, device="cuda")
+    tok, lp = R.sample(logits, 1.0, 0.9, R.make_generator(0, "cuda"))
+    assert tok.device.type == "cuda" and lp.device.type == "cuda"
+    tok_cpu, _ = R.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(0))  # a CPU state resumed on a GPU
+    assert tok_cpu.device.type == "cuda"
+    assert torch.equal(tok_cpu.cpu(), R.sample(logits.cpu(), 1.0, 0.9, torch.Generator().manual_seed(0))[0])
