@@ -134,12 +134,31 @@ def test_fit_takes_soft_targets():
     np.testing.assert_allclose(m.predict(X), [0.25, 0.25, 0.75, 0.75], atol=1e-6)
 
 
-def test_features_are_the_support_score_trigram_share_and_missing_numbers():
-    f = FC.features(DOC, "Granite Group reported revenue of $5.1 billion on Tuesday.")
-    assert f[0] == R.support_factuality(DOC, "Granite Group reported revenue of $5.1 billion on Tuesday.")
-    assert 0 < f[1] < 1
-    assert f[2] == 1.0  # "5.1"
-    assert FC.features(DOC, "") == [0.0, 0.0, 0.0]
+def test_features_are_the_support_score_and_missing_words():
+    s = "Granite Group reported revenue of $5.1 billion on Tuesday in Texas."
+    f = FC.features(DOC, s)
+    assert f[0] == R.support_factuality(DOC, s)
+    assert f[1] == 2.0  # "5.1", "texas"
+    assert FC.features(DOC, "Granite Group reported revenue of $4.2 billion on Tuesday.") == [1.0, 0.0]
+    assert FC.features(DOC, "") == [0.0, 0.0]
+    assert len(FC.features(DOC, s)) == len(FC.FEATURES)
+
+
+def test_features_repair_sentence_boundaries_of_lower_cased_summaries_and_glued_documents():
+    # lower-cased output: one faulty sentence must not hide in one long "sentence"
+    low = "granite group reported revenue of $4.2 billion. pirates stole the moon."
+    assert len(R.sandbox.split_sentences(low)) == 1
+    assert FC.repair_summary(low) == "granite group reported revenue of $4.2 billion. Pirates stole the moon."
+    assert FC.features(DOC, low)[0] == R.support_factuality(DOC, FC.repair_summary(low)) == 0.0
+    cased = "Shares rose 12%. They fell, e.g. in New York."  # cased text: "e.g. in" is no sentence end
+    assert FC.repair_summary(cased) == cased
+    # a document whose sentences are glued ("trading.Analysts" reads as one word): repaired, it reads as clean text
+    glued = DOC.replace(". ", ".")
+    assert FC.repair_document(glued) == DOC
+    for claim in ("Analysts expected weaker sales.", "Analysts expected factories."):
+        assert FC.features(glued, claim) == FC.features(DOC, claim)
+    assert R.support_factuality(glued, "Analysts expected weaker sales.") < 1.0
+    assert FC.features(glued, "Analysts expected weaker sales.")[0] == 1.0
 
 
 def test_training_on_the_news_world_ranks_references_above_faulty_drafts(tmp_path):
