@@ -616,7 +616,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None
 
     final = Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
     with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp / "model")
+        save_pretrained(model, tmp / "model")
         trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
         save_file(trainable, str(tmp / "trainable.safetensors"))
         torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None,
@@ -1126,19 +1126,52 @@ def _load_unsloth(cfg: ModelConfig, train: bool):
 
 @contextmanager
 def reference_model(model):
-    """The reference policy: `model` with its LoRA adapter disabled, inside the block.
+    """The reference policy, inside the block: the frozen `REFERENCE_ADAPTER`
+    when the model carries one (`add_reference_adapter`: training continues an
+    adapter, so the starting policy is base + that adapter as loaded), else
+    `model` with its LoRA adapter disabled (the init weights, when training
+    put a fresh adapter on them).
 
         with torch.no_grad(), reference_model(policy) as ref:
             ref_logits = ref(input_ids).logits
 
-    No second copy of the weights. A model without an adapter (full fine-tune)
-    has no such view: keep `frozen_copy(model)` from before training instead.
+    No second copy of the base weights. A model without an adapter (full
+    fine-tune) has no such view: keep `frozen_copy(model)` from before training.
     """
     if not getattr(model, "peft_config", None) or not hasattr(model, "disable_adapter"):
         raise ValueError("reference_model needs a PEFT (LoRA) model; a fully fine-tuned policy needs "
                          "a frozen copy of its initial weights: ref = frozen_copy(model) before training")
+    if REFERENCE_ADAPTER in model.peft_config:
+        active = model.active_adapter
+        model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield model
+        finally:
+            model.set_adapter(active)  # trainable again; the reference frozen
+        return
     with model.disable_adapter():
         yield model
+
+
+REFERENCE_ADAPTER = "reference"
+
+
+def add_reference_adapter(model, adapter_dir: str | os.PathLike) -> None:
+    """Load `adapter_dir` a second time, frozen, as the reference policy of a run
+    that continues that adapter (RL from an SFT adapter: the KL anchors on the
+    SFT policy, not on the base model). The trained adapter stays active."""
+    active = model.active_adapter
+    model.load_adapter(str(adapter_dir), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    model.set_adapter(active)
+
+
+def save_pretrained(model, path: str | os.PathLike) -> None:
+    """`model.save_pretrained(path)` without the frozen reference adapter, if any."""
+    names = list(getattr(model, "peft_config", None) or ())
+    if REFERENCE_ADAPTER in names:
+        model.save_pretrained(path, selected_adapters=[n for n in names if n != REFERENCE_ADAPTER])
+    else:
+        model.save_pretrained(path)
 
 
 def frozen_copy(model):

@@ -41,10 +41,10 @@ Where this departs from the papers:
 - The clip range may be asymmetric (`clip_low`, `clip_high`: DAPO's clip-higher);
   the defaults are PPO's symmetric 0.2.
 - KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 in the loss (GRPO),
-  not a reward penalty. The reference is the init weights: the same model with
-  the LoRA adapter disabled, or a frozen copy for a full fine-tune. When `init`
-  is itself an adapter, training continues it and the reference is the base
-  model without it; merge the SFT adapter first to anchor on the SFT policy.
+  not a reward penalty. The reference is the starting policy: the same model
+  with the LoRA adapter disabled (a fresh adapter on full init weights), a
+  frozen copy for a full fine-tune, or, when `init` is itself an adapter that
+  training continues, a second frozen copy of that adapter (not the base model).
 - mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
   split); the schedule advances once per RL step.
 - Entropy is estimated as the mean negative log-prob of the sampled tokens.
@@ -404,7 +404,12 @@ def load_model(cfg: Config):
         # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING);
         # the scoring path needs them. Read at forward time, so set before the first one.
         os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    return common.load_policy(mcfg, train=True)
+    model, tok = common.load_policy(mcfg, train=True)
+    if mcfg.adapter_path and cfg.beta > 0:
+        # Training continues the init adapter: the starting policy is base + that adapter,
+        # and the KL must anchor there, not on the base model (adapter disabled).
+        common.add_reference_adapter(model, mcfg.adapter_path)
+    return model, tok
 
 
 def make_optimizer(cfg: Config, params):
@@ -665,7 +670,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         last_eval = evaluate()
     final = run.dir / "final"
     with common.atomic_dir(final) as tmp:
-        model.save_pretrained(tmp)
+        common.save_pretrained(model, tmp)
         tok.save_pretrained(tmp)
     if history:
         first, last = history[0], history[-1]

@@ -523,3 +523,42 @@ def test_unsloth_vllm_runs_two_steps(tmp_path):
                "data.teacher=", "reward.factuality=lexical", "reward.tools.w_match=0")
     out = rl.main(cfg)
     assert out["step"] == 2 and all(h["gap"] < cfg.max_logprob_gap for h in out["history"])
+
+
+def test_rl_from_an_sft_adapter_anchors_the_kl_on_that_adapter_not_on_the_base(policy, docs, tmp_path):
+    """v17-v19 start from an SFT adapter and continue it. The reference must be the
+    starting policy (base + SFT adapter), so the KL of step 1 (one inner epoch, before
+    any update) is 0; with "adapter disabled" as the reference it is the SFT-vs-base gap."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(policy)
+    sft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in sft.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.5)  # an SFT adapter that moved the policy well away from the base
+    sft.save_pretrained(tmp_path / "sft_adapter")
+    TOK.save_pretrained(tmp_path / "sft_adapter")
+    cfg = config(policy, docs, tmp_path / "run", lora=True, beta=0.1, mu=1, steps=2,
+                 init=str(tmp_path / "sft_adapter"))
+    model, tok = rl.load_model(cfg)
+    assert common.REFERENCE_ADAPTER in model.peft_config
+    eps = R.rollout(model, tok, [DOC], 2, R.SamplingConfig(max_new_tokens=12, temperature=1.0), S.Limits())
+    with torch.no_grad():
+        now = rl.logprobs(model, eps, cfg, 1.0)
+        with common.reference_model(model):
+            ref = rl.logprobs(model, eps, cfg, 1.0)
+        with model.disable_adapter():
+            bare = rl.logprobs(model, eps, cfg, 1.0)
+    assert torch.allclose(now, ref, atol=1e-6)
+    assert (now - bare).abs().max() > 0.05  # the base model is far from the SFT policy
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(common.REFERENCE_ADAPTER not in n for n in trainable)
+
+    hist = rl.main(cfg, reward_fn=spread_reward)["history"]
+    assert hist[0]["kl"] < 1e-7 < 1e-5 < hist[1]["kl"], [h["kl"] for h in hist]
+    final = tmp_path / "run" / "t" / "final"
+    assert not (final / common.REFERENCE_ADAPTER).exists()  # the frozen copy is not saved
+    assert (final / "adapter_config.json").exists()
