@@ -1674,17 +1674,25 @@ def _jaccard(a: frozenset | set, b: frozenset | set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float = 0.5) -> float:
+def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float = 0.5,
+                   document: str | None = None) -> float:
     """Agreement of one policy call with one teacher call, in [0, 1]: `kind_weight`
     for the same tool, the rest for what it did. Searches: overlap of query words,
     or of the sentences returned when that is higher (two queries that find the
-    same evidence agree). Deletes: overlap of the words retracted."""
+    same evidence agree). Deletes: how unsupported by `document` the retracted
+    text was (1 - the lower of the lexical and support scores), not its overlap
+    with what the teacher retracted: grading by overlap paid the policy most for
+    first writing the teacher's wrong sentence. Without a document, the overlap."""
     if call.kind != teacher.kind or not call.valid:
         return 0.0
     if call.kind == "search":
         overlap = _jaccard(_query_words(call.arg), _query_words(teacher.arg))
         if call.hits and teacher.hits:
             overlap = max(overlap, _jaccard(set(call.hits), set(teacher.hits)))
+    elif document is not None:
+        retracted = call.deleted or ""  # retracting words that state nothing earns nothing
+        overlap = 1.0 - min(lexical_factuality(document, retracted), support_factuality(document, retracted)) \
+            if _support_words(retracted) else 0.0
     else:
         a, b = frozenset(sandbox.words(call.deleted or "")), frozenset(sandbox.words(teacher.deleted or ""))
         overlap = _jaccard(a, b) if a or b else float(call.arg == teacher.arg)
@@ -1694,7 +1702,8 @@ def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float
 def tool_match(episode: sandbox.Episode, teacher_episode: sandbox.Episode,
                cfg: ToolTermsConfig | None = None) -> tuple[float, list[float]]:
     """ToolMatch: per-step agreement of the policy's tool calls with a teacher
-    episode for the same document. Calls are aligned in order (a monotone
+    episode for the same document (`call_agreement`: a delete is graded by how
+    unsupported what it retracted was). Calls are aligned in order (a monotone
     alignment maximising total agreement, so one extra or missing call does not
     shift every later step). Returns (score, per_step): per_step[i] is the
     agreement of `episode.calls[i]` with its aligned teacher call (0 if none),
@@ -1706,7 +1715,8 @@ def tool_match(episode: sandbox.Episode, teacher_episode: sandbox.Episode,
     m, n = len(mine), len(theirs)
     if m == 0 and n == 0:
         return 1.0, []
-    sim = [[call_agreement(a, b, kw) for b in theirs] for a in mine]
+    doc = episode.document if isinstance(episode, sandbox.Episode) else None
+    sim = [[call_agreement(a, b, kw, doc) for b in theirs] for a in mine]
     dp = np.zeros((m + 1, n + 1))
     for i in range(1, m + 1):
         for j in range(1, n + 1):

@@ -14,9 +14,10 @@ One step (DESIGN.md sections 4, 5, 7):
 2. Rewards through `rewards.score_batch` (or a `reward_fn` given to `main`); the
    curriculum of the factuality threshold tau advances on the pass rate.
 3. Advantages A = R - mean(R of the group): Dr. GRPO (Liu et al. 2025), no
-   division by the group's standard deviation. With `advantage=turn` (v19) a
-   turn that made a tool call also gets its per-step ToolMatch credit, centred on
-   the group's mean step credit (see `turn_advantages`).
+   division by the group's standard deviation. With `advantage=turn` a turn that
+   made a tool call also gets its per-step ToolMatch credit, centred on the
+   group's mean step credit, on the tokens of its call tag only, and ToolMatch
+   leaves the outcome reward (see `turn_advantages`).
 4. Mask validation of every episode (trained positions decode to the turns'
    assistant text), then the update: PPO-clip on every generated token of every
    branch, each token once, in the context it was sampled in (each group
@@ -192,15 +193,22 @@ def group_advantages(rewards_: Sequence[float], group_size: int) -> list[float]:
 
 
 def turn_advantages(episodes: Sequence[sandbox.Episode], results: Sequence[dict], group_size: int,
-                    mode: str = "outcome", credit: float = 1.0) -> list[list[float]]:
-    """Per episode, per turn: the advantage its generated tokens get.
+                    mode: str = "outcome", credit: float = 1.0, w_match: float = 0.0) -> list[list[tuple[float, float]]]:
+    """Per episode, per turn: (the advantage of every token of the turn, the credit
+    added on the tokens of the tool call's tag only).
 
-    `outcome`: every turn gets its episode's group advantage. `turn`: a turn that
-    ended in a tool call gets, on top, credit x (s - b): s is that call's
-    per-step ToolMatch value (`results[i]["tool_match_steps"]`, one per call in
-    order), b the mean step value over every call of the group (0 if none).
-    Turns without a call keep the outcome advantage."""
-    base = group_advantages([r["total"] for r in results], group_size)
+    `outcome`: every turn gets its episode's group advantage, credit 0. `turn`:
+    the group advantage is of the reward without its ToolMatch term (`w_match` x
+    `results[i]["tool_match"]`: ToolMatch is counted once, as per-step credit), and
+    a turn that ended in a tool call gets credit x (s - b) on its call tag: s is
+    that call's per-step ToolMatch value (`results[i]["tool_match_steps"]`, one per
+    call in order), b the mean step value over every call of the group (0 if
+    none). Only the tag: a search that matches the teacher must not also
+    reinforce the (perhaps wrong) sentence written before it in the same turn."""
+    def outcome(r: dict) -> float:
+        return r["total"] - (w_match * (r.get("tool_match") or 0.0) if mode == "turn" else 0.0)
+
+    base = group_advantages([outcome(r) for r in results], group_size)
     out = []
     for g in range(0, len(episodes), group_size):
         steps = [list(results[i].get("tool_match_steps") or []) for i in range(g, g + group_size)]
@@ -209,20 +217,53 @@ def turn_advantages(episodes: Sequence[sandbox.Episode], results: Sequence[dict]
         for i, st in zip(range(g, g + group_size), steps):
             ep, adv, k = episodes[i], [], 0
             for t in ep.turns:
-                a = base[i]
+                c = 0.0
                 if mode == "turn" and t.call is not None:
-                    a += credit * ((st[k] if k < len(st) else 0.0) - mean)
+                    c = credit * ((st[k] if k < len(st) else 0.0) - mean)
                     k += 1
-                adv.append(a)
+                adv.append((base[i], c))
             out.append(adv)
     return out
 
 
-def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Sequence[float]]) -> torch.Tensor:
-    """(T,) one advantage per generated token, episodes then turns in order
-    (the order of `flat`)."""
-    return torch.tensor([a for ep, adv in zip(episodes, turn_adv) for t, a in zip(ep.turns, adv)
-                         for _ in range(len(t.ids))], dtype=torch.float32)
+def call_tag_starts(episodes: Sequence[sandbox.Episode], tokenizer) -> list[list[int]]:
+    """Per episode, per turn: the index of the turn's first token that holds part of
+    its tool call's tag (`len(ids)` for a turn without a call)."""
+    codec = sandbox.Codec(tokenizer)
+    out = []
+    for ep in episodes:
+        row = []
+        for t in ep.turns:
+            n = len(t.ids or [])
+            if t.call is None or not n:
+                row.append(n)
+                continue
+            _, bounds = sandbox.token_bounds(codec, t.ids)
+            # the last clean boundary at or before the tag's first character
+            row.append(max((k for k, off in bounds if off <= t.call.start), default=0))
+        out.append(row)
+    return out
+
+
+def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Sequence],
+                     tag_starts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """(T,) one advantage per generated token, episodes then turns in order (the
+    order of `flat`). A turn's entry is a float (every token) or `turn_advantages`'
+    (advantage, call credit) pair; the credit goes to the tokens from
+    `tag_starts` on (`call_tag_starts`; needed when any credit is not 0)."""
+    out = []
+    for e, (ep, adv) in enumerate(zip(episodes, turn_adv)):
+        for j, (t, a) in enumerate(zip(ep.turns, adv)):
+            a, c = (a if isinstance(a, tuple) else (a, 0.0))
+            n = len(t.ids)
+            if c:
+                if tag_starts is None:
+                    raise ValueError("call credit needs tag_starts (rl.call_tag_starts)")
+                k = tag_starts[e][j]
+                out += [a] * k + [a + c] * (n - k)
+            else:
+                out += [a] * n
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def flat(per_turn: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor:
@@ -574,21 +615,21 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             raise FloatingPointError(f"step {step + 1}: non-finite reward for documents {bad[:4]}")
         if all("pass" in r for r in results):
             scorer.curriculum.update([bool(r["pass"]) for r in results])
-        turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit)
+        turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)
         t2 = time.perf_counter()
         # -- update ----------------------------------------------------------
         validate_masks(eps, tok)
         sampler_all = sampler_logprobs(eps)
         n_tokens = len(sampler_all)
         keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
-                if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for x in a)
+                if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
                 for i in range(g, g + G)]
         dev = next(model.parameters()).device
         batches = []
         for s in range(0, len(keep), cfg.micro_groups * G):
             idx = keep[s:s + cfg.micro_groups * G]
             mb = [eps[i] for i in idx]
-            b = {"eps": mb, "adv": token_advantages(mb, [turn_adv[i] for i in idx]).to(dev),
+            b = {"eps": mb, "adv": token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, tok)).to(dev),
                  "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
             if cfg.beta > 0:
                 model.eval()

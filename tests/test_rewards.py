@@ -481,21 +481,29 @@ TEACHER = episode(call("search", "/revenue of/", hits=[0, 5]),
                   call("delete", "sentence", deleted="Acme reported revenue of $5 billion."))
 
 
+WRONG = 0.5 + 0.5 * 0.75  # a delete of "... $5 billion." (lexical 0.25 below support): 1 - 0.25 unsupported
+
+
 @pytest.mark.parametrize("policy,score,steps", [
-    (TEACHER, 1.0, [1.0, 1.0]),
+    (TEACHER, (1.0 + WRONG) / 2, [1.0, WRONG]),
     # different words, same sentences found: the hits agree
     (episode(call("search", "acme quarterly figures", hits=[5, 0]),
-             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), 1.0, [1.0, 1.0]),
+             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), (1.0 + WRONG) / 2, [1.0, WRONG]),
     # query words half shared (revenue, of / revenue, of, acme, 2024), no hits
     (episode(call("search", "acme revenue of 2024"),
-             call("delete", "clause", deleted="Acme reported revenue of $5 billion.")), 0.875, [0.75, 1.0]),
+             call("delete", "clause", deleted="Acme reported revenue of $5 billion.")), (0.75 + WRONG) / 2, [0.75, WRONG]),
     # an extra search first: aligned around it, not shifted
     (episode(call("search", "unrelated words"), call("search", "/revenue of/", hits=[0, 5]),
-             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), 2 / 3, [0.0, 1.0, 1.0]),
-    # deleted something else (1 of 8 distinct words shared)
+             call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")), (1 + WRONG) / 3,
+     [0.0, 1.0, WRONG]),
+    # deleted another unsupported sentence: as good as deleting the teacher's (it was wrong too)
     (episode(call("search", "/revenue of/", hits=[0, 5]), call("delete", "sentence", deleted="Shares fell 5.")),
-     (1 + 0.5 + 0.5 * 1 / 8) / 2, [1.0, 0.5 + 0.5 / 8]),
-    (episode(call("delete", "sentence", deleted="x"), call("search", "/revenue of/")), 0.5, [0.0, 1.0]),
+     (1 + WRONG) / 2, [1.0, WRONG]),
+    # deleted a supported sentence: the tool only
+    (episode(call("search", "/revenue of/", hits=[0, 5]),
+             call("delete", "sentence", deleted="Acme Corp. reported revenue of $4.2 billion.")), 0.75, [1.0, 0.5]),
+    (episode(call("delete", "sentence", deleted="Acme Corp. reported revenue of $4.2 billion."),
+             call("search", "/revenue of/")), 0.5, [0.0, 1.0]),
     (episode(), 0.0, []),
     (episode(call("search", "/revenue of/", hits=[0, 5], valid=False)), 0.0, [0.0]),
 ])
@@ -503,6 +511,20 @@ def test_tool_match(policy, score, steps):
     got, per_step = R.tool_match(policy, TEACHER)
     assert got == pytest.approx(score)
     assert per_step == pytest.approx(steps)
+
+
+def test_a_delete_is_graded_by_what_it_retracted_not_by_copying_the_teacher():
+    """The teacher retracted its own wrong sentence. Writing that same wrong sentence and
+    retracting it must not beat retracting a different unsupported one, and retracting a
+    supported sentence earns only the tool's share."""
+    teacher = call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")
+    copy = call("delete", "sentence", deleted="Acme reported revenue of $5 billion.")
+    other = call("delete", "sentence", deleted="Globex hired 9,000 pilots in Peru.")
+    right = call("delete", "sentence", deleted="Acme Corp. reported revenue of $4.2 billion.")
+    a = {k: R.call_agreement(c, teacher, document=DOC) for k, c in (("copy", copy), ("other", other),
+                                                                      ("right", right))}
+    assert a["other"] >= a["copy"] > a["right"] == 0.5
+    assert R.call_agreement(copy, teacher) == 1.0  # without a document: the old word overlap
 
 
 def test_tool_match_without_any_calls_is_agreement():

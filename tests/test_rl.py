@@ -82,9 +82,44 @@ def test_turn_level_advantages_credit_each_call_on_its_own_turn():
     b = S.replay(DOC, "Acme grew.<search>revenue</search> Wrong.<search>/Globex/</search> Fine.")
     results = [{"total": 1.0, "tool_match_steps": [1.0]}, {"total": 0.0, "tool_match_steps": [0.5, 0.0]}]
     assert [len(e.turns) for e in (a, b)] == [2, 3]
-    assert rl.turn_advantages([a, b], results, 2) == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
-    # step values 1.0, 0.5, 0.0: group mean 0.5; only call turns move
-    assert rl.turn_advantages([a, b], results, 2, "turn", credit=1.0) == [[1.0, 0.5], [-0.5, -1.0, -0.5]]
+    assert rl.turn_advantages([a, b], results, 2) == [[(0.5, 0.0), (0.5, 0.0)],
+                                                      [(-0.5, 0.0), (-0.5, 0.0), (-0.5, 0.0)]]
+    # step values 1.0, 0.5, 0.0: group mean 0.5; only call turns get credit
+    assert rl.turn_advantages([a, b], results, 2, "turn", credit=1.0) == [[(0.5, 0.5), (0.5, 0.0)],
+                                                                       [(-0.5, 0.0), (-0.5, -0.5), (-0.5, 0.0)]]
+
+
+def test_toolmatch_is_counted_once_and_its_credit_lands_on_the_call_tag_only():
+    """v19's reward holds w_match x ToolMatch; with turn credit that term leaves the
+    outcome advantage (else it is counted twice), and a call's credit goes to the tokens
+    of its tag, not to the sentence written before it in the same turn."""
+    eps = [S.replay(DOC, "Acme grew 12%.<search>acme</search> Fine."), S.replay(DOC, "Acme grew.")]
+    results = [{"total": 0.5 + 0.25 * 1.0, "tool_match": 1.0, "tool_match_steps": [1.0]},
+               {"total": 0.5 + 0.25 * 0.0, "tool_match": 0.0, "tool_match_steps": []}]
+    adv = rl.turn_advantages(eps, results, 2, "turn", credit=1.0, w_match=0.25)
+    assert adv == [[(0.0, 0.0), (0.0, 0.0)], [(0.0, 0.0)]]  # equal outcomes; the only call is the mean
+    results[1]["tool_match_steps"] = [0.0]
+    eps[1] = S.replay(DOC, "Acme grew.<search>zzz</search> Fine.")
+    adv = rl.turn_advantages(eps, results, 2, "turn", credit=1.0, w_match=0.25)
+    assert adv == [[(0.0, 0.5), (0.0, 0.0)], [(0.0, -0.5), (0.0, 0.0)]]
+    assert rl.turn_advantages(eps, results, 2, "outcome", w_match=0.25)[0][0] == (0.125, 0.0)
+    # tokens: the credit starts at the tag's first token
+    tok = TOK
+    for ep in eps:
+        for t in ep.turns:
+            t.ids = tok.encode(t.text, add_special_tokens=False)
+    starts = rl.call_tag_starts(eps, tok)
+    for ep, st in zip(eps, starts):
+        t = ep.turns[0]
+        prefix = tok.decode(t.ids[:st[0]])
+        assert t.text.startswith(prefix) and len(prefix) <= t.call.start
+        assert len(tok.decode(t.ids[:st[0] + 1])) > t.call.start  # the next token holds the tag's start
+        assert st[1] == len(ep.turns[1].ids)
+    per_token = rl.token_advantages(eps, adv, starts)
+    n0 = len(eps[0].turns[0].ids)
+    assert per_token[:starts[0][0]].abs().max() == 0 and (per_token[starts[0][0]:n0] == 0.5).all()
+    with pytest.raises(ValueError, match="tag_starts"):
+        rl.token_advantages(eps, adv)
 
 
 def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_held_out_cluster(tmp_path):
@@ -278,6 +313,7 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
     real_rollout, real_logprobs, real_clip = R.rollout, rl.logprobs, torch.nn.utils.clip_grad_norm_
 
     def scripted(model, tok, documents, group, scfg, limits, generator=None):
+        seen["tok"] = tok
         proc = R.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
         eps = real_rollout(model, tok, documents, group, scfg, limits, generator=generator, logits_processor=proc)
         with torch.no_grad():  # the sampler's log-probs without the script's bias: those of the policy itself
@@ -306,13 +342,16 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
             pooled = [x for res in group for x in res["tool_match_steps"]]
             j = 0
             for t, lp in zip(ep.turns, logp[e]):
-                a = base[e]
+                a = torch.full((len(t.ids),), base[e], dtype=torch.float64)
                 if advantage == "turn" and t.call is not None:
-                    a += results[e]["tool_match_steps"][j] - sum(pooled) / len(pooled)
+                    # the credit from the first token whose text reaches the tag's first character
+                    k = next(k for k in range(len(t.ids)) if len(seen["tok"].decode(t.ids[:k + 1])) > t.call.start)
+                    a[k:] += results[e]["tool_match_steps"][j] - sum(pooled) / len(pooled)
                     j += 1
                 n_calls += t.call is not None
                 if lp is not None and lp.numel():
                     sampler = torch.tensor(t.logprobs)
+                    a = a.to(lp.dtype)
                     if vllm_shift is None:  # the sampler is the policy: its log-probs are the old ones
                         loss = loss - (a * torch.exp(lp - sampler)).sum()
                     else:  # old = the trainer's first pass; IS weight to the sampler, capped
