@@ -1124,6 +1124,15 @@ def _load_unsloth(cfg: ModelConfig, train: bool):
     return model, tok
 
 
+def check_score_method(backend: str, method: str, key: str = "score_method") -> None:
+    """Tree scoring (one sequence per episode or group with a 4D mask) needs an
+    attention that takes arbitrary masks (sdpa, eager); Unsloth's fused kernels
+    take none, so an Unsloth model must score branch by branch."""
+    if backend == "unsloth" and method in ("tree", "group"):
+        raise ConfigError(f"{key}={method!r} needs arbitrary 4D attention masks, which model.backend='unsloth' "
+                          f"does not take: set {key}=branch")
+
+
 @contextmanager
 def reference_model(model):
     """The reference policy, inside the block: the frozen `REFERENCE_ADAPTER`

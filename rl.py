@@ -166,6 +166,7 @@ class Config:
             raise common.ConfigError("prompts_per_step, micro_groups and mu must be >= 1")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0 and self.tis_cap > 0):
             raise common.ConfigError("need 0 <= clip_low < 1, clip_high >= 0, beta >= 0, tis_cap > 0")
+        common.check_score_method(self.model.backend, self.score_method)
 
 
 # ---------------------------------------------------------------------------

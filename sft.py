@@ -122,6 +122,9 @@ class Config:
     mask_check: int = 64  # episodes validated before the first step
     seed: int = 0
 
+    def __post_init__(self):
+        common.check_score_method(self.model.backend, self.score_method)
+
 
 # ---------------------------------------------------------------------------
 # Pure pieces (tests import these)

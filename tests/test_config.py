@@ -455,3 +455,21 @@ def test_every_config_file_loads():
         except ConfigError as e:
             failures.append(f"{path.name}: {e}")
     assert not failures, "\n".join(failures)
+
+
+def test_unsloth_configs_score_branch_by_branch():
+    """Unsloth's fused attention takes no 4D masks: tree (and group-tree) scoring cannot run
+    there, so a config that asks for it fails at load time, naming the key; the shipped GPU
+    configs score by branch."""
+    import common
+    import rl
+    import sft
+
+    assert common.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml"]).score_method == "branch"
+    for v in (17, 18, 19):
+        assert common.load_config(rl.Config, ["--config", f"configs/drgrpo_v{v}.yaml"]).score_method == "branch"
+    with pytest.raises(common.ConfigError, match="score_method=branch"):
+        common.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml", "score_method=tree"])
+    with pytest.raises(common.ConfigError, match="score_method=branch"):
+        common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "score_method=group"])
+    assert common.load_config(sft.Config, ["--config", "configs/sft_tiny.yaml"]).score_method == "tree"
