@@ -14,10 +14,11 @@ SFT learns exactly the conditionals that rollouts sample.
 Modes (the SN15 paper's recipe):
 - `sft`: the trace corpus (`data.train`).
 - `rejection`: sample `rejection.k` rollouts per training document with the
-  current policy, keep those that pass the reward's gate, mix them with the
-  base corpus so they make `rejection.mix_ratio` of it, and train on the mix.
-- `teacher`: continued SFT on teacher episodes (e.g. from the `api` backend of
-  `rollout.py`), starting from `init`.
+  current policy, keep those that pass the reward, add them to the whole base
+  corpus, repeated to make `rejection.mix_ratio` of it (the recipe: 50/50).
+- `teacher`: continued SFT on teacher episodes (`teacher_episodes.py` writes
+  them), starting from `init`: only the valid ones that pass the reward
+  (`teacher.strict`), each bucket of tool use up-sampled to the largest.
 Before the first step a sample of episodes goes through mask validation
 (`sandbox.check_branches`). Every `eval.every` steps: loss on the eval
 episodes; every `eval.sample_every` steps and at the end: greedy rollouts on
@@ -76,9 +77,22 @@ class EvalConfig:
 @dataclass
 class RejectionConfig:
     k: int = 4  # rollouts per training document
-    mix_ratio: float = 0.5  # share of passing rollouts in the re-SFT corpus
+    # Share of passing rollouts in the re-SFT corpus: the whole base corpus is kept and the
+    # passing rollouts are repeated to make this share (the recipe's 50/50); 0: each once.
+    mix_ratio: float = 0.5
     max_docs: int = 256  # training documents sampled from
     temperature: float = 1.0
+
+
+@dataclass
+class TeacherConfig:
+    # Keep only teacher episodes that are valid and pass the reward (F >= tau and every
+    # rule): the recipe's production-strict filter of the teacher's rollouts.
+    strict: bool = True
+    # Up-sample every bucket to the largest one (the recipe matched its rarest intent
+    # bucket to the commonest): "tools" buckets by the tools an episode used (none,
+    # search only, delete), "meta" by Episode.meta["bucket"], "none" leaves counts alone.
+    bucket: Literal["none", "tools", "meta"] = "tools"
 
 
 @dataclass
@@ -91,6 +105,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rejection: RejectionConfig = field(default_factory=RejectionConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits for sampling (sandbox.Limits names)
     epochs: float = 3.0
@@ -315,25 +330,80 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
     return guard, [clean_episode(d).tokenized(tokenizer) for d in evals], evals
 
 
+def mix_rejection(base: list, passed: list, ratio: float, seed: int = 0) -> list:
+    """The whole base corpus plus the passing rollouts, repeated (each as evenly as
+    possible, the remainder drawn at random) until they are `ratio` of the result;
+    `ratio` <= 0: each once. The base is never cut: the recipe concatenates."""
+    if not passed:
+        return list(base)
+    if ratio <= 0 or not base:
+        return list(base) + list(passed)
+    want = max(len(passed), round(len(base) * ratio / (1 - ratio))) if ratio < 1 else len(passed)
+    reps, extra = divmod(want, len(passed))
+    rng = random.Random(seed)
+    return list(base) + list(passed) * reps + rng.sample(list(passed), extra)
+
+
+def passing(episodes: list, docs: list, reward: rewards.RewardConfig) -> list:
+    """The episodes that are valid and pass the reward (scored against `docs`, one per episode)."""
+    scores = rewards.score_batch(list(zip(docs, episodes)), reward)
+    return [e for e, s in zip(episodes, scores) if s["pass"] and e.valid]
+
+
+def bucket_of(ep: sandbox.Episode, how: str) -> str:
+    if how == "meta":
+        return str(ep.meta.get("bucket", ""))
+    return "delete" if ep.n_delete else "search" if ep.n_search else "none"
+
+
+def upsample_buckets(episodes: list, how: str, seed: int = 0) -> list:
+    """Every bucket repeated (then topped up at random) to the size of the largest."""
+    if how == "none" or not episodes:
+        return list(episodes)
+    buckets: dict[str, list] = {}
+    for ep in episodes:
+        buckets.setdefault(bucket_of(ep, how), []).append(ep)
+    top = max(len(b) for b in buckets.values())
+    rng, out = random.Random(seed), []
+    for b in buckets.values():
+        reps, extra = divmod(top, len(b))
+        out += b * reps + rng.sample(b, extra)
+    return out
+
+
 def rejection_corpus(model, tokenizer, base, cfg: Config, limits, generator) -> list[sandbox.Episode]:
-    """Rollouts of the current policy that pass the reward, mixed with the base
-    corpus so they are `mix_ratio` of the result."""
+    """Rollouts of the current policy on training documents that pass the reward,
+    added to the whole base corpus (`mix_rejection`)."""
     docs = held_out_documents(base, cfg.data.docs, cfg.rejection.max_docs)
     scfg = rollout.SamplingConfig(temperature=cfg.rejection.temperature, max_new_tokens=cfg.eval.max_new_tokens,
                                   seed=cfg.seed)
     eps = rollout.rollout(model, tokenizer, docs, cfg.rejection.k, scfg, limits, generator=generator)
-    docs_rep = [d for d in docs for _ in range(cfg.rejection.k)]
-    scores = rewards.score_batch(list(zip(docs_rep, eps)), cfg.reward)
-    passed = [e for e, s in zip(eps, scores) if s["pass"] and e.valid]
-    ratio = cfg.rejection.mix_ratio
-    n_base = len(base) if ratio <= 0 else min(len(base), round(len(passed) * (1 - ratio) / max(ratio, 1e-9)))
-    rng = random.Random(cfg.seed)
-    mixed = passed + rng.sample(base, n_base)
-    print(f"rejection: {len(passed)}/{len(eps)} rollouts passed; corpus {len(passed)} + {n_base} base episodes")
+    passed = passing(eps, [d for d in docs for _ in range(cfg.rejection.k)], cfg.reward)
+    mixed = mix_rejection(base, passed, cfg.rejection.mix_ratio, cfg.seed)
+    print(f"rejection: {len(passed)}/{len(eps)} rollouts passed; corpus {len(base)} base episodes + "
+          f"{len(mixed) - len(base)} passing ones")
     if not passed:
         print("rejection: no rollout passed; training on the base corpus alone")
-        return base
     return mixed
+
+
+def teacher_corpus(episodes: list, cfg: Config) -> list[sandbox.Episode]:
+    """Teacher episodes for continued SFT: the valid ones that pass the reward
+    (`teacher.strict`), each bucket up-sampled to the largest (`teacher.bucket`)."""
+    kept = episodes
+    if cfg.teacher.strict:
+        docs = {d.id: d for d in held_out_documents(episodes, cfg.data.docs, len(episodes))}
+        kept = passing(episodes, [docs.get(e.doc_id) or _Doc(e.doc_id, e.document) for e in episodes], cfg.reward)
+    out = upsample_buckets(kept, cfg.teacher.bucket, cfg.seed)
+    counts = {}
+    for e in kept:
+        counts[bucket_of(e, cfg.teacher.bucket)] = counts.get(bucket_of(e, cfg.teacher.bucket), 0) + 1
+    print(f"teacher: {len(kept)}/{len(episodes)} episodes kept" + (" (valid and passing)" if cfg.teacher.strict else "")
+          + f"; buckets {counts} -> {len(out)} episodes")
+    if not kept:
+        raise SystemExit(f"{cfg.data.train}: no teacher episode passes the reward; nothing to train on "
+                         "(teacher.strict=false trains on all of them)")
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -386,6 +456,8 @@ def main(cfg: Config) -> dict:
               f"{len(held_eps)} eval episodes, {len(docs)} held-out documents")
     if cfg.mode == "rejection":
         train, _ = tokenize_episodes(rejection_corpus(model, tok, train, cfg, limits, gen), tok, cfg.data.max_tokens)
+    elif cfg.mode == "teacher":
+        train = teacher_corpus(train, cfg)
     checked = validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 

@@ -180,3 +180,92 @@ def test_the_base_stage_names_the_missing_documents_and_how_to_make_them(tmp_pat
     cfg = sft.DataConfig(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
     with pytest.raises(SystemExit, match=r"docs.jsonl .*python data.py newsworld .*python data.py split"):
         sft.base_data(cfg, None, 4)
+
+
+# --- rejection and teacher modes ---------------------------------------------------------
+
+
+def test_rejection_keeps_the_whole_base_corpus_and_repeats_the_passing_rollouts():
+    base, passed = [f"b{i}" for i in range(10)], ["p0", "p1", "p2"]
+    mixed = sft.mix_rejection(base, passed, 0.5, seed=0)
+    assert mixed[:10] == base  # never cut (it used to shrink to the number of passing rollouts)
+    assert len(mixed) == 20 and sorted(set(mixed[10:])) == passed
+    assert all(3 <= mixed[10:].count(p) <= 4 for p in passed)  # as even as possible
+    assert len(sft.mix_rejection(base, passed, 0.3, seed=0)) == 10 + 4  # 10 x 0.3 / 0.7 = 4.3
+    assert sft.mix_rejection(base, passed, 0.0) == base + passed
+    assert sft.mix_rejection(base, [], 0.5) == base
+    assert sft.mix_rejection(base, passed, 0.1) == base + passed  # fewer than once is once
+
+
+def test_teacher_buckets_are_upsampled_to_the_largest():
+    eps = ([S.replay(DOC_T, "Acme grew.") for _ in range(5)]
+           + [S.replay(DOC_T, "Acme grew.<search>acme</search> Ok.") for _ in range(2)]
+           + [S.replay(DOC_T, 'Bad.<delete scope="sentence"/> Acme grew.')])
+    out = sft.upsample_buckets(eps, "tools", seed=1)
+    counts = {b: sum(sft.bucket_of(e, "tools") == b for e in out) for b in ("none", "search", "delete")}
+    assert counts == {"none": 5, "search": 5, "delete": 5}
+    assert sft.upsample_buckets(eps, "none") == eps
+    for e, b in zip(eps, ["x"] * 3 + ["y"] * 5):
+        e.meta = {"bucket": b}
+    assert len(sft.upsample_buckets(eps[:8], "meta")) == 10
+
+
+DOC_T = ("Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier. "
+         "Chief executive Jane K. Doe said the U.S. market drove growth. Shares fell 3.5% in New York.")
+
+
+def test_teacher_corpus_keeps_only_valid_passing_episodes(tmp_path):
+    import rewards
+
+    good = S.replay(DOC_T, "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year "
+                           "earlier. Chief executive Jane K. Doe said the U.S. market drove growth. Shares fell "
+                           "3.5% in New York.")
+    wrong = S.replay(DOC_T, "Globex reported revenue of $9.9 billion on May 1, 2021, down 40%. Its chief "
+                            "executive John Roe said Europe drove the fall. Shares rose 8% in Paris.")
+    bad_call = S.replay(DOC_T, good.summary + "<search>")  # dangling call: not valid
+    cfg = sft.Config(reward=rewards.RewardConfig(factuality="lexical"), teacher=sft.TeacherConfig(bucket="none"))
+    assert rewards.score(DOC_T, good, cfg.reward)["pass"] and not rewards.score(DOC_T, wrong, cfg.reward)["pass"]
+    assert sft.teacher_corpus([good, wrong, bad_call], cfg) == [good]
+    cfg.teacher.strict = False
+    assert len(sft.teacher_corpus([good, wrong, bad_call], cfg)) == 3
+    cfg.teacher.strict = True
+    with pytest.raises(SystemExit, match="no teacher episode passes"):
+        sft.teacher_corpus([wrong], cfg)
+
+
+def test_rejection_and_teacher_modes_train_on_what_they_say(tiny, traces, tmp_path, monkeypatch):
+    """mode=rejection: the trained corpus is the whole base plus passing rollouts;
+    mode=teacher: only the passing teacher episodes, bucket-balanced."""
+    seen = {}
+
+    def spy_validate(train, tok, n, seed=0, mask_retracted=False):
+        seen["train"] = list(train)
+        return 0
+
+    # every second rollout "passes": the random tiny policy would pass none
+    real_score = sft.rewards.score_batch
+
+    def fake_score(items, cfg=None, scorer=None, teacher=None):
+        return [dict(r, **{"pass": i % 2 == 0}) for i, r in enumerate(real_score(items, cfg))]
+
+    monkeypatch.setattr(sft, "validate_masks", spy_validate)
+    monkeypatch.setattr(sft.rewards, "score_batch", fake_score)
+    monkeypatch.setattr(S.Episode, "valid", property(lambda self: True))
+    base = S.read_episodes(str(traces / "train.jsonl"))
+    cfg = cfg_for(tiny, traces, tmp_path / "rej", mode="rejection", epochs=0.01, save_every=0,
+                  rejection=sft.RejectionConfig(k=2, max_docs=4, mix_ratio=0.5))
+    cfg.eval.max_new_tokens = 8
+    sft.main(cfg)
+    docs = {e.document for e in base}
+    rollouts = [e for e in seen["train"] if e.meta.get("trace_kind") is None and e.document in docs
+                and not any(e.summary == b.summary and e.document == b.document for b in base)]
+    assert len(seen["train"]) == 2 * len(base)  # 100 base + 4 passing rollouts repeated to 100
+    assert len(rollouts) == len(base)
+
+    cfg = cfg_for(tiny, traces, tmp_path / "teach", mode="teacher", epochs=0.01, save_every=0)
+    sft.main(cfg)
+    kept = base[::2]
+    buckets = {}
+    for e in kept:
+        buckets[sft.bucket_of(e, "tools")] = buckets.get(sft.bucket_of(e, "tools"), 0) + 1
+    assert len(seen["train"]) == max(buckets.values()) * len(buckets)
