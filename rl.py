@@ -92,7 +92,7 @@ class DataConfig:
     fresh: int = 0
     fresh_seed: int = 2
     max_prompt_tokens: int = 0  # documents whose prompt is longer are skipped (0 = keep all)
-    teacher: str = ""  # teacher Episode JSONL (e.g. from the api backend) for ToolMatch, matched by doc_id
+    teacher: str = ""  # teacher Episode JSONL for ToolMatch, matched by doc_id (teacher_episodes.py writes it)
 
 
 @dataclass
@@ -513,9 +513,24 @@ def mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+TEACHER_PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
+
+
+def check_teacher(cfg: Config) -> None:
+    """ToolMatch needs teacher episodes: fail before any model loads, naming their producer."""
+    if cfg.data.teacher and not Path(cfg.data.teacher).exists():
+        raise SystemExit(f"data.teacher={cfg.data.teacher} does not exist: the teacher episodes ToolMatch grades "
+                         f"against are written by `{TEACHER_PRODUCER}` (out= sets the path)")
+    if cfg.reward.tools.w_match > 0 and not cfg.data.teacher:
+        raise SystemExit(f"reward.tools.w_match={cfg.reward.tools.w_match} needs teacher episodes (data.teacher); "
+                         f"write them with `{TEACHER_PRODUCER}`")
+
+
 def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = None) -> dict:
     """Train; returns {"history": per-step metrics, "eval": the last held-out evaluation, "step"}.
     `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces `rewards.score_batch`."""
+    if reward_fn is None:
+        check_teacher(cfg)
     if cfg.sampling.backend == "api":
         raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
                          "(the api backend makes teacher episodes: data.teacher)")
@@ -546,6 +561,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     teacher = None
     if cfg.data.teacher:
         teacher = {e.doc_id: e for e in sandbox.read_episodes(cfg.data.teacher) if e.doc_id}
+        if not teacher:
+            raise SystemExit(f"data.teacher={cfg.data.teacher} holds no episode with a doc_id; "
+                             f"write it with `{TEACHER_PRODUCER}`")
         covered = sum(d.id in teacher for d in train_docs)
         how += f"; teacher episodes for {covered}/{len(train_docs)} training documents"
     print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")

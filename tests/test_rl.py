@@ -504,8 +504,15 @@ def test_each_ablation_changes_one_key_of_the_tiny_config(name, key, value):
 def test_v17_v18_v19_step_by_step():
     v17, v18, v19 = (flat_keys(common.config_to_dict(load(f"drgrpo_v{v}.yaml"))) for v in (17, 18, 19))
     changed = lambda a, b: {k for k in a if a[k] != b[k]} - {"name"}  # noqa: E731
-    assert changed(v17, v18) == {"group_size", "prompts_per_step", "lr", "beta", "max_grad_norm"}
-    assert {"reward.tools.w_match", "advantage", "limits.max_tool_calls", "data.teacher"} <= changed(v18, v19)
+    # the recipe's three knobs for v18 (samples per problem, learning rate, KL anchor), and for
+    # v19 its blended reward (with the teacher episodes it needs), the step cap and the context
+    # (with the model length and the KV cache share it takes)
+    assert changed(v17, v18) == {"group_size", "lr", "beta"}
+    assert changed(v18, v19) == {"reward.tools.w_match", "data.teacher", "limits.max_tool_calls",
+                                 "sampling.max_context_tokens", "model.max_seq_len", "model.gpu_memory_utilization",
+                                 "plan.injected_tokens"}
+    assert v19["advantage"] == "outcome" and v19["sampling.max_new_tokens"] == v18["sampling.max_new_tokens"]
+    assert v19["sampling.max_context_tokens"] > v18["sampling.max_context_tokens"]
     assert v17["reward.tools.w_match"] == v18["reward.tools.w_match"] == 0 < v19["reward.tools.w_match"]
     for v in (v17, v18, v19):
         assert v["model.backend"] == "unsloth" and v["model.fast_inference"] and v["sampling.backend"] == "vllm"

@@ -1,0 +1,118 @@
+"""teacher_episodes.py: teacher rollouts through the sandbox from an OpenAI-compatible
+server on 127.0.0.1, resumable; rl.py names that producer when v19 lacks its episodes."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import common
+import data
+import rl
+import sandbox
+import teacher_episodes as T
+
+
+class TeacherServer:
+    """/v1/completions: a search on the first round of an episode, then a summary;
+    `fail_after` requests, every later one answers 400 (a dead endpoint)."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.requests, outer = [], self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                if fail_after is not None and len(outer.requests) > fail_after:
+                    self.send_response(400)
+                    self.end_headers()
+                    self.wfile.write(b"bad request")
+                    return
+                so_far = body["prompt"].split("Summary: ", 1)[1]
+                text = " The company grew." if "<results>" in so_far else "It grew.<search>/[0-9]+/"
+                out = json.dumps({"choices": [{"text": text, "finish_reason": "stop"}], "usage": {}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def docs(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    data.write_jsonl(str(path), list(data.newsworld(6, seed=0)))
+    return str(path)
+
+
+def config(docs, tmp_path, url, **over):
+    cfg = T.Config(out=str(tmp_path / "teacher.jsonl"), data=T.DataConfig(train=docs, max_docs=5), chunk=2)
+    cfg.sampling.api_base, cfg.sampling.api_model, cfg.sampling.api_mode = url, "teacher-model", "completions"
+    cfg.sampling.api_retries = 0
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_teacher_episodes_go_through_the_sandbox_and_a_rerun_resumes(docs, tmp_path):
+    srv = TeacherServer()
+    try:
+        cfg = config(docs, tmp_path, srv.url)
+        assert T.main(cfg) == {"written": 5, "covered": 5, "documents": 5}
+        eps = sandbox.read_episodes(cfg.out)
+        assert [e.doc_id for e in eps] == [d.id for d in data.read_documents(docs)[:5]]
+        for e in eps:
+            assert [c.kind for c in e.calls] == ["search"] and e.calls[0].hits  # answered from the document
+            assert e.summary == "It grew. The company grew." and e.meta["teacher"] == "teacher-model"
+        n = len(srv.requests)
+        assert T.main(cfg)["written"] == 0 and len(srv.requests) == n  # nothing asked twice
+        cfg.data.max_docs = 6
+        assert T.main(cfg) == {"written": 1, "covered": 6, "documents": 6}
+    finally:
+        srv.httpd.shutdown()
+
+
+def test_an_endpoint_that_dies_loses_only_the_chunk_in_flight(docs, tmp_path):
+    srv = TeacherServer(fail_after=4)  # one chunk: two documents of two rounds each, then 400s
+    try:
+        cfg = config(docs, tmp_path, srv.url)
+        with pytest.raises(Exception, match="HTTP 400"):
+            T.main(cfg)
+        assert len(sandbox.read_episodes(cfg.out)) == 2  # the first chunk is on disk
+    finally:
+        srv.httpd.shutdown()
+    with open(cfg.out, "a") as f:
+        f.write('{"document": "torn')  # a kill in the middle of a write
+    assert len(T.done_ids(__import__("pathlib").Path(cfg.out))) == 2
+    assert len(sandbox.read_episodes(cfg.out)) == 2  # the torn line is gone
+    srv = TeacherServer()
+    try:
+        assert T.main(config(docs, tmp_path, srv.url))["written"] == 3
+    finally:
+        srv.httpd.shutdown()
+
+
+def test_bad_setups_fail_with_the_fix(docs, tmp_path):
+    with pytest.raises(SystemExit, match="api_model is empty"):
+        T.main(config(docs, tmp_path, "http://127.0.0.1:9/v1", sampling=T.rollout.SamplingConfig(backend="api")))
+    with pytest.raises(SystemExit, match="python data.py load"):
+        T.main(config(str(tmp_path / "none.jsonl"), tmp_path, "http://127.0.0.1:9/v1"))
+    assert common.load_config(T.Config, ["--config", "configs/teacher_cnn.yaml"]).out == \
+        common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml"]).data.teacher
+
+
+def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
+    cfg = common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", f"data.teacher={tmp_path}/none.jsonl"])
+    with pytest.raises(SystemExit, match="python teacher_episodes.py --config configs/teacher_cnn.yaml"):
+        rl.main(cfg)
+    cfg = common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "data.teacher="])
+    with pytest.raises(SystemExit, match="w_match=0.3 needs teacher episodes"):
+        rl.main(cfg)
