@@ -19,6 +19,13 @@ Modes (the SN15 paper's recipe):
 - `teacher`: continued SFT on teacher episodes (`teacher_episodes.py` writes
   them), starting from `init`: only the valid ones that pass the reward
   (`teacher.strict`), each bucket of tool use up-sampled to the largest.
+- `kto`: KTO preference refinement on episodes (`kto_loss`): desirable the
+  valid ones that pass the reward, undesirable the rest; the reference is the
+  starting policy; every `eval.sample_every` steps the share of held-out greedy
+  episodes that emit a summary is checked and training stops when it falls
+  below `kto.min_emission_ratio` of its value before training (the recipe's
+  guard). Log-probs of an episode are summed over its generated ids, scored
+  branch-exactly like SFT.
 Before the first step a sample of episodes goes through mask validation
 (`sandbox.check_branches`). Every `eval.every` steps: loss on the eval
 episodes; every `eval.sample_every` steps and at the end: greedy rollouts on
@@ -85,6 +92,19 @@ class RejectionConfig:
 
 
 @dataclass
+class KTOConfig:
+    # KTO (Ethayarajh et al. 2024) on whole episodes: desirable = valid and passing the
+    # reward, undesirable = the rest. The recipe's stage 4: beta 0.02, one epoch.
+    beta: float = 0.02
+    desirable_weight: float = 1.0  # lambda_D
+    undesirable_weight: float = 1.0  # lambda_U (TRL: keep lambda_D n_D / (lambda_U n_U) in [1, 4/3])
+    # The recipe's early-stop guard: stop the moment the share of held-out greedy episodes
+    # that emit a summary (non-empty, not truncated) falls below this share of its value
+    # before training (checked every eval.sample_every steps; 0: off).
+    min_emission_ratio: float = 0.9
+
+
+@dataclass
 class TeacherConfig:
     # Keep only teacher episodes that are valid and pass the reward (F >= tau and every
     # rule): the recipe's production-strict filter of the teacher's rollouts.
@@ -99,13 +119,14 @@ class TeacherConfig:
 class Config:
     name: str = "sft"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
-    mode: Literal["sft", "rejection", "teacher"] = "sft"
+    mode: Literal["sft", "rejection", "teacher", "kto"] = "sft"
     init: str = ""  # start from this directory (a previous run's final/): weights, or an adapter
     model: common.ModelConfig = field(default_factory=common.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rejection: RejectionConfig = field(default_factory=RejectionConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits for sampling (sandbox.Limits names)
     epochs: float = 3.0
@@ -218,6 +239,60 @@ def validate_masks(episodes, tokenizer, n: int, seed: int = 0, mask_retracted: b
     return len(sample)
 
 
+def episode_logps(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
+    """(B,) log p(episode): the sum over its generated ids under the contexts they were
+    generated in (branch-exact, as SFT scores them)."""
+    lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
+    dev = next(model.parameters()).device
+    return torch.stack([sum((lp.float().sum() for lp in per_turn if lp is not None and lp.numel()),
+                            torch.zeros((), device=dev)) for per_turn in lps])
+
+
+def kto_loss(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor, beta: float,
+             w_desirable: float = 1.0, w_undesirable: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's per-example losses (B,) and the reference point z.
+
+    r = log pi(y|x) - log pi_ref(y|x); z = max(0, mean r) over the batch, no gradient;
+    desirable: w_D (1 - sigmoid(beta (r - z))), undesirable: w_U (1 - sigmoid(beta (z - r))).
+    Departure from TRL's KTOTrainer: z is estimated from the batch's own episodes, not from
+    mismatched (prompt, completion) pairs: a tool episode's completion holds its own
+    document's search results, so it is no completion of another prompt."""
+    r = policy - reference
+    z = r.detach().mean().clamp(min=0)
+    d = desirable.to(r.dtype)
+    losses = d * w_desirable * (1 - torch.sigmoid(beta * (r - z))) + \
+        (1 - d) * w_undesirable * (1 - torch.sigmoid(beta * (z - r)))
+    return losses, z
+
+
+def kto_step_loss(model, ref_copy, episodes: list, labels: dict, cfg: Config, n_step: int) -> torch.Tensor:
+    """A micro-batch's share of the step's mean KTO loss (`n_step` episodes in the step).
+    The reference: `ref_copy` (a full fine-tune), else the model under
+    `common.reference_model` (the starting adapter, or the base with a fresh one)."""
+    policy = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
+    with torch.no_grad():
+        was = model.training
+        model.eval()
+        if ref_copy is not None:
+            reference = episode_logps(ref_copy, episodes, cfg.max_batch_tokens, cfg.score_method)
+        else:
+            with common.reference_model(model):
+                reference = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
+        model.train(was)
+    desirable = torch.tensor([labels[id(e)] for e in episodes], device=policy.device)
+    losses, _ = kto_loss(policy, reference, desirable, cfg.kto.beta, cfg.kto.desirable_weight,
+                         cfg.kto.undesirable_weight)
+    return losses.sum() / n_step
+
+
+def kto_labels(episodes: list, cfg: Config) -> list[bool]:
+    """Desirable: a valid episode that passes the reward (its document from data.docs when given)."""
+    docs = {d.id: d for d in held_out_documents(episodes, cfg.data.docs, len(episodes))}
+    good = set(map(id, passing(episodes, [docs.get(e.doc_id) or _Doc(e.doc_id, e.document) for e in episodes],
+                               cfg.reward)))
+    return [id(e) in good for e in episodes]
+
+
 @torch.no_grad()
 def eval_loss(model, episodes, max_batch_tokens: int, batch: int = 16, mask_retracted: bool = False,
               method: str = "tree") -> float:
@@ -272,6 +347,7 @@ def sample_eval(model, tokenizer, documents, reward_cfg, limits: sandbox.Limits,
     out["sample_factuality"] = sum(s["factuality"] for s in scores) / len(scores)
     out["sample_pass"] = sum(bool(s["pass"]) for s in scores) / len(scores)
     out["sample_len_words"] = sum(len(e.summary.split()) for e in eps) / len(eps)
+    out["sample_emission"] = sum(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps) / len(eps)
     if all(getattr(d, "facts", None) for d in documents):
         import data
 
@@ -458,6 +534,19 @@ def main(cfg: Config) -> dict:
         train, _ = tokenize_episodes(rejection_corpus(model, tok, train, cfg, limits, gen), tok, cfg.data.max_tokens)
     elif cfg.mode == "teacher":
         train = teacher_corpus(train, cfg)
+    ref_copy, labels, emission0 = None, {}, None
+    if cfg.mode == "kto":
+        desirable = kto_labels(train, cfg)
+        labels = {id(e): d for e, d in zip(train, desirable)}
+        n_d = sum(desirable)
+        print(f"kto: {n_d} desirable, {len(train) - n_d} undesirable episodes (valid and passing the reward or not)")
+        if n_d in (0, len(train)):
+            print("kto: warning: one class only; KTO then pushes every episode the same way")
+        if getattr(model, "peft_config", None):
+            if cfg.init and (Path(cfg.init) / "adapter_config.json").exists():
+                common.add_reference_adapter(model, cfg.init)  # the reference is the starting policy
+        else:
+            ref_copy = common.frozen_copy(model)
     checked = validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 
@@ -471,9 +560,21 @@ def main(cfg: Config) -> dict:
     sched = common.cosine_schedule(opt, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     step = 0
     ckpt = common.resolve_resume(cfg.resume, run.dir)
+    state = {}
     if ckpt is not None:
-        step = common.load_checkpoint(ckpt, model, opt, sched, generators={"sample": gen})["step"]
+        got = common.load_checkpoint(ckpt, model, opt, sched, generators={"sample": gen})
+        step, state = got["step"], got["state"]
         print(f"resumed from {ckpt} at step {step}")
+    if cfg.mode == "kto" and cfg.kto.min_emission_ratio and docs:
+        # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
+        emission0 = state.get("kto_emission0")
+        if emission0 is None:
+            emission0 = sample_eval(model, tok, docs, cfg.reward, limits, cfg.eval.max_new_tokens, cfg.seed)[
+                "sample_emission"]
+            model.train()
+        state = {"kto_emission0": emission0}
+        print(f"kto: summary emission before training {emission0:.3f}; early stop below "
+              f"{cfg.kto.min_emission_ratio * emission0:.3f}")
 
     epochs: dict[int, list[list[int]]] = {}
 
@@ -498,7 +599,10 @@ def main(cfg: Config) -> dict:
         loss_value = 0.0
         for b in batches:
             with autocast(cfg.autocast, model):
-                loss = sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method)
+                if cfg.mode == "kto":
+                    loss = kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches))
+                else:
+                    loss = sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: loss is {loss.item()} (episodes {[e.doc_id for e in b][:4]})")
             loss.backward()
@@ -516,17 +620,23 @@ def main(cfg: Config) -> dict:
                                         "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
+            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
+            if emission0 is not None and "sample_emission" in ev:
+                if ev["sample_emission"] < cfg.kto.min_emission_ratio * emission0:
+                    print(f"kto: early stop at step {step}: summary emission {ev['sample_emission']:.3f} < "
+                          f"{cfg.kto.min_emission_ratio} x {emission0:.3f} before training")
+                    break
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-            common.save_checkpoint(run.dir, step, model, opt, sched, generators={"sample": gen},
+            common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                                    keep=cfg.keep_checkpoints)
     bar.close()
     if stream is not None and stream.skipped:
         print(f"leak guard: {len(stream.skipped)} generated documents near-duplicate a held-out one and were skipped")
-    common.save_checkpoint(run.dir, step, model, opt, sched, generators={"sample": gen}, keep=cfg.keep_checkpoints)
+    common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
+                           keep=cfg.keep_checkpoints)
     final = run.dir / "final"
     with common.atomic_dir(final) as tmp:
-        model.save_pretrained(tmp)
+        common.save_pretrained(model, tmp)
         tok.save_pretrained(tmp)
     history = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
     print("final: " + " | ".join(f"{k} {v:.4g}" for k, v in history.items() if isinstance(v, float)))

@@ -1,6 +1,7 @@
 """SFT: the branch loss by hand, batching, mask validation, a short run that
 learns the tool syntax, and exact resume."""
 import json
+import math
 
 import pytest
 import torch
@@ -269,3 +270,60 @@ def test_rejection_and_teacher_modes_train_on_what_they_say(tiny, traces, tmp_pa
     for e in kept:
         buckets[sft.bucket_of(e, "tools")] = buckets.get(sft.bucket_of(e, "tools"), 0) + 1
     assert len(seen["train"]) == max(buckets.values()) * len(buckets)
+
+
+# --- KTO -------------------------------------------------------------------------------
+
+
+def test_kto_loss_matches_a_hand_computation():
+    policy = torch.tensor([-10.0, -12.0, -9.0, -20.0])
+    reference = torch.tensor([-11.0, -11.0, -9.5, -18.0])
+    desirable = torch.tensor([True, True, False, False])
+    losses, z = sft.kto_loss(policy, reference, desirable, beta=0.5, w_desirable=1.0, w_undesirable=2.0)
+    r = [1.0, -1.0, 0.5, -2.0]
+    z_hand = max(0.0, sum(r) / 4)  # -0.375 -> 0
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = [1 - sig(0.5 * (r[0] - z_hand)), 1 - sig(0.5 * (r[1] - z_hand)),
+            2 * (1 - sig(0.5 * (z_hand - r[2]))), 2 * (1 - sig(0.5 * (z_hand - r[3])))]
+    assert z.item() == z_hand
+    assert losses.tolist() == pytest.approx(want)
+    # z is the batch's mean log-ratio when positive, and carries no gradient
+    p = torch.tensor([-8.0, -8.0], requires_grad=True)
+    losses, z = sft.kto_loss(p, torch.tensor([-10.0, -9.0]), torch.tensor([True, False]), beta=1.0)
+    assert z.item() == 1.5 and not z.requires_grad
+    losses.sum().backward()
+    assert p.grad[0] < 0 < p.grad[1]  # raise the desirable episode's log-prob, lower the undesirable one's
+
+
+def test_kto_mode_prefers_the_desirable_episodes_and_its_guard_stops_it(tiny, traces, tmp_path, monkeypatch):
+    import rewards
+
+    base = S.read_episodes(str(traces / "train.jsonl"))[:16]
+    monkeypatch.setattr(sft, "kto_labels", lambda eps, cfg: [i % 2 == 0 for i in range(len(eps))])
+    cfg = cfg_for(tiny, traces, tmp_path / "kto", mode="kto", epochs=4, batch_episodes=8, lr=5e-3,
+                  save_every=0, kto=sft.KTOConfig(beta=0.5, min_emission_ratio=0.0))
+    cfg.data.limit = 16
+    model0, tok = common.load_policy(cfg.model)
+    eps = [e.tokenized(tok) for e in base]
+    with torch.no_grad():
+        before = sft.episode_logps(model0, eps)
+    sft.main(cfg)
+    model1, _ = common.load_policy(common.ModelConfig(name_or_path=str(tmp_path / "kto" / "t" / "final"),
+                                                      lora=common.LoraConfig(enabled=False)))
+    with torch.no_grad():
+        after = sft.episode_logps(model1, eps)
+    moved = after - before
+    assert moved[0::2].mean() > moved[1::2].mean() + 1.0  # desirable up against undesirable
+
+    # the guard: emission falls from 1.0 to 0.5 after the first check -> stop at that step
+    emissions = iter([1.0, 0.5, 0.5, 0.5])
+    real = sft.sample_eval
+    monkeypatch.setattr(sft, "sample_eval", lambda *a, **k: {**real(*a, **k), "sample_emission": next(emissions)})
+    cfg = cfg_for(tiny, traces, tmp_path / "guard", mode="kto", epochs=4, batch_episodes=8, save_every=0,
+                  kto=sft.KTOConfig(min_emission_ratio=0.9))
+    cfg.data.limit = 16
+    cfg.eval.sample_every = 2
+    cfg.eval.n_docs = 2
+    sft.main(cfg)
+    steps = [r["step"] for r in common.read_metrics(tmp_path / "guard" / "t" / "metrics.jsonl") if "sample_emission" in r]
+    assert steps[0] == 2 and max(steps) == 2  # checked at step 2, stopped there (then the final evaluation)
