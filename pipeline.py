@@ -7,6 +7,7 @@
     python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
     python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
     python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override
+    python pipeline.py --profile cnn_qwen3_4b --dry-run       # the real-data chain for one GPU, its commands
 
 Each stage is the stage's own script run with its own config, exactly the
 command the README gives for it, in a child process; this file only orders
@@ -81,6 +82,35 @@ STAGES = [
     Stage("distill", ["distill.py", "--config", "configs/distill_tiny.yaml"], "runs/distill_tiny/distill.json",
           checkpoints=True),
 ]
+
+# The real-data chain for one GPU (CNN/DailyMail, Qwen3-4B through Unsloth, an
+# OpenAI-compatible teacher): the recipe's stages in order. `--dry-run` prints it.
+CNN = "out/cnn/train.jsonl"
+GPU_RUNS = {v: f"runs/{v}/final" for v in ("sft_qwen3_4b", "rejection_qwen3_4b", "teacher_sft_qwen3_4b",
+                                             "kto_qwen3_4b", "drgrpo_v17", "drgrpo_v18", "drgrpo_v19")}
+CNN_STAGES = [
+    Stage("docs", ["data.py", "load", "--hf", "cnn_dailymail", "--split", "train",
+                   "--limit", "20000", "--out", CNN], CNN),
+    Stage("eval_docs", ["data.py", "load", "--hf", "cnn_dailymail", "--split", "validation",
+                        "--limit", "500", "--out", "out/cnn/eval.jsonl"], "out/cnn/eval.jsonl"),
+    Stage("split", ["data.py", "split", "--docs", CNN, "--out", "out/cnn/split.json"], "out/cnn/split.json"),
+    Stage("traces", ["synth_traces.py", "--config", "configs/synth_api.yaml"], "out/traces/cnn.jsonl"),
+    Stage("corpus", ["filter_traces.py", "--config", "configs/filter_cnn.yaml"], "out/corpus/cnn/train.jsonl"),
+    Stage("sft", ["sft.py", "--config", "configs/sft_qwen3_4b.yaml"], GPU_RUNS["sft_qwen3_4b"], checkpoints=True),
+    Stage("rejection", ["sft.py", "--config", "configs/rejection_qwen3_4b.yaml"], GPU_RUNS["rejection_qwen3_4b"],
+          checkpoints=True),
+    Stage("teacher", ["teacher_episodes.py", "--config", "configs/teacher_cnn.yaml"], "out/teacher/cnn_train.done.json"),
+    Stage("teacher_sft", ["sft.py", "--config", "configs/teacher_sft_qwen3_4b.yaml"], GPU_RUNS["teacher_sft_qwen3_4b"],
+          checkpoints=True),
+    Stage("kto", ["sft.py", "--config", "configs/kto_qwen3_4b.yaml"], GPU_RUNS["kto_qwen3_4b"], checkpoints=True),
+    *[Stage(f"rl_v{v}", ["rl.py", "--config", f"configs/drgrpo_v{v}.yaml"], GPU_RUNS[f"drgrpo_v{v}"], checkpoints=True)
+      for v in (17, 18, 19)],
+    Stage("eval", ["eval.py", "--config", "configs/eval_cnn.yaml", "--compare", *GPU_RUNS.values()],
+          "runs/eval_cnn/eval.json"),
+    Stage("distill", ["distill.py", "--config", "configs/distill_cnn.yaml"], "runs/distill_cnn/distill.json",
+          checkpoints=True),
+]
+PROFILES = {"newsworld": STAGES, "cnn_qwen3_4b": CNN_STAGES}
 
 
 def run_stage(stage: Stage, cwd: Path) -> float:
@@ -231,6 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="newsworld", choices=sorted(PROFILES),
+                    help="newsworld: the CPU chain (default); cnn_qwen3_4b: the real-data chain for one GPU")
+    ap.add_argument("--dry-run", action="store_true", help="print the profile's stage commands in order and stop")
     ap.add_argument("--full", action="store_true",
                     help="add the rules-only RL baseline, the three ablations and SFT without error masking")
     ap.add_argument("--fresh", action="store_true", help="rerun stages whose outputs exist")
@@ -240,23 +273,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workdir", default=".", help="where out/ and runs/ go (default: here)")
     ap.add_argument("--out", default="runs/pipeline", help="where the headline table goes (in workdir)")
     args = ap.parse_args(argv)
+    stages = PROFILES[args.profile]
     extra: dict[str, list[str]] = {}
     for item in args.set:
         name, _, kv = item.partition(".")
-        if "=" not in kv or name not in {s.name for s in STAGES}:
+        if "=" not in kv or name not in {s.name for s in stages}:
             raise SystemExit(f"pipeline: --set {item!r}: expected STAGE.KEY=VALUE with a stage among "
-                             f"{[s.name for s in STAGES]}")
+                             f"{[s.name for s in stages]}")
         extra.setdefault(name, []).append(kv)
     only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - {s.name for s in STAGES}
+    unknown = set(only) - {s.name for s in stages}
     if unknown:
-        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in STAGES]}")
+        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in stages]}")
+    if args.dry_run:
+        for stage in stages:
+            if (only and stage.name not in only) or (stage.full_only and not args.full and stage.name not in only):
+                continue
+            argv_ = stage.argv
+            if stage.name in extra:
+                at = argv_.index("--compare") if "--compare" in argv_ else len(argv_)
+                argv_ = [*argv_[:at], *extra[stage.name], *argv_[at:]]
+            print(f"{stage.name:12s} python {' '.join(argv_)}")
+        return {}
     work = Path(args.workdir).resolve()
     out = work / args.out
     seconds_path = out / "seconds.json"
     seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
     t_start = time.perf_counter()
-    for stage in STAGES:
+    for stage in stages:
         if (only and stage.name not in only) or (stage.full_only and not args.full and stage.name not in only):
             continue
         if (work / stage.output).exists() and not args.fresh and stage.name not in only:
@@ -272,6 +316,11 @@ def main(argv: list[str] | None = None) -> dict:
             stage = dataclasses.replace(stage, argv=[*stage.argv[:at], *extra[stage.name], *stage.argv[at:]])
         seconds[stage.name] = run_stage(stage, work)
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
+    if args.profile != "newsworld":
+        report = work / "runs/eval_cnn/report.md"
+        print(f"pipeline: {args.profile} done in {time.perf_counter() - t_start:.0f} s this call"
+              + (f"; the evaluation is in {report.relative_to(work)}" if report.exists() else ""))
+        return {}
     eval_path = work / "runs/eval_tiny/eval.json"
     if not eval_path.exists():
         print("pipeline: no evaluation yet; the headline table needs the eval stage")

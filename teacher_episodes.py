@@ -122,7 +122,15 @@ def main(cfg: Config) -> dict:
             bar.update(len(chunk))
     total = len(have) + written
     print(f"teacher: wrote {written} episodes ({calls} tool calls); {total}/{len(docs)} documents covered in {out}")
-    return {"written": written, "covered": total, "documents": len(docs)}
+    summary = {"written": written, "covered": total, "documents": len(docs)}
+    if total >= len(docs):  # the pipeline's mark that this stage is complete
+        common.atomic_write_text(str(done_path(cfg)), json.dumps(summary) + "\n")
+    return summary
+
+
+def done_path(cfg: Config) -> Path:
+    """Written once every document has its episode: out/teacher/cnn_train.jsonl -> cnn_train.done.json."""
+    return Path(cfg.out).with_suffix(".done.json")
 
 
 if __name__ == "__main__":

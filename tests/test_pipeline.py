@@ -129,3 +129,44 @@ def test_smallest_pipeline_end_to_end(tmp_path):
     again = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("exists, skipped") == len(MAIN_STAGES), again.stdout[-2000:]
+
+
+def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(capsys):
+    """`--profile cnn_qwen3_4b --dry-run`: data -> split -> traces -> corpus -> SFT -> rejection
+    -> teacher episodes -> teacher SFT -> KTO -> v17, v18, v19 -> eval -> distill, each command
+    the stage's own script and config; every config loads with its script's own Config, and
+    each stage starts from the one the recipe names."""
+    import common
+    import distill
+    import eval as eval_
+    import filter_traces
+    import rl
+    import sft
+    import synth_traces
+    import teacher_episodes
+
+    pipeline.main(["--profile", "cnn_qwen3_4b", "--dry-run"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names == ["docs", "eval_docs", "split", "traces", "corpus", "sft", "rejection", "teacher", "teacher_sft",
+                     "kto", "rl_v17", "rl_v18", "rl_v19", "eval", "distill"]
+    classes = {"sft.py": sft.Config, "rl.py": rl.Config, "eval.py": eval_.Config, "distill.py": distill.Config,
+               "filter_traces.py": filter_traces.Config, "teacher_episodes.py": teacher_episodes.Config,
+               "synth_traces.py": synth_traces.Config}
+    cfgs = {}
+    for stage in pipeline.CNN_STAGES:
+        script, *rest = stage.argv
+        if script in classes:
+            at = rest.index("--compare") if "--compare" in rest else len(rest)
+            cfgs[stage.name] = common.load_config(classes[script], rest[:at])
+    assert cfgs["sft"].data.train == cfgs["corpus"].out_dir + "/train.jsonl"
+    assert cfgs["rejection"].init == "runs/sft_qwen3_4b/final" and cfgs["rejection"].mode == "rejection"
+    assert cfgs["teacher_sft"].init == "runs/rejection_qwen3_4b/final"
+    assert cfgs["teacher_sft"].data.train == cfgs["teacher"].out == cfgs["rl_v19"].data.teacher
+    assert cfgs["kto"].init == "runs/teacher_sft_qwen3_4b/final" and cfgs["kto"].kto.beta == 0.02
+    for v in (17, 18, 19):
+        assert cfgs[f"rl_v{v}"].init == "runs/teacher_sft_qwen3_4b/final"  # Dr. GRPO on the post-teacher-SFT policy
+    assert cfgs["distill"].teacher == "runs/drgrpo_v19/final"
+    assert all(getattr(c, "score_method", "branch") == "branch" for c in cfgs.values())  # Unsloth: no 4D masks
+    with pytest.raises(SystemExit, match="unknown stage"):
+        pipeline.main(["--profile", "cnn_qwen3_4b", "--dry-run", "--only", "base"])

@@ -67,6 +67,7 @@ def test_teacher_episodes_go_through_the_sandbox_and_a_rerun_resumes(docs, tmp_p
     try:
         cfg = config(docs, tmp_path, srv.url)
         assert T.main(cfg) == {"written": 5, "covered": 5, "documents": 5}
+        assert json.loads(T.done_path(cfg).read_text())["covered"] == 5  # the pipeline's completion mark
         eps = sandbox.read_episodes(cfg.out)
         assert [e.doc_id for e in eps] == [d.id for d in data.read_documents(docs)[:5]]
         for e in eps:
@@ -87,6 +88,7 @@ def test_an_endpoint_that_dies_loses_only_the_chunk_in_flight(docs, tmp_path):
         with pytest.raises(Exception, match="HTTP 400"):
             T.main(cfg)
         assert len(sandbox.read_episodes(cfg.out)) == 2  # the first chunk is on disk
+        assert not T.done_path(cfg).exists()
     finally:
         srv.httpd.shutdown()
     with open(cfg.out, "a") as f:
