@@ -8,6 +8,7 @@
     python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
     python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override
     python pipeline.py --profile cnn_qwen3_4b --dry-run       # the real-data chain for one GPU, its commands
+    python pipeline.py --profile cnn_qwen3_4b --smoke         # that chain on a CPU with tiny stand-ins (minutes)
 
 Each stage is the stage's own script run with its own config, exactly the
 command the README gives for it, in a child process; this file only orders
@@ -111,6 +112,50 @@ CNN_STAGES = [
           checkpoints=True),
 ]
 PROFILES = {"newsworld": STAGES, "cnn_qwen3_4b": CNN_STAGES}
+
+# --smoke: the same chain, the same configs, on a CPU in a few minutes. Only models,
+# data and step counts are overridden: every model is a tiny preset (hf backend, no
+# quantisation), the news world stands in for CNN/DailyMail, the teacher is
+# oracle_server.py on 127.0.0.1 ({api} below), and each training stage takes ~2 steps.
+_TINY = ["model.name_or_path=tiny-1m", "model.quant=none", "model.backend=hf", "model.max_seq_len=2048"]
+_TINY_RL = [*_TINY, "model.fast_inference=false", "sampling.backend=hf", "steps=2", "prompts_per_step=2",
+            "group_size=2", "sampling.max_new_tokens=32", "sampling.max_context_tokens=2048", "eval.n_docs=2",
+            "eval.max_new_tokens=16", "reward.factuality=lexical", "data.max_prompt_tokens=0", "save_every=0"]
+_TINY_SFT = [*_TINY, "epochs=1", "data.limit=8", "data.max_tokens=2048", "batch_episodes=4", "grad_accum=1",
+             "eval.every=0", "eval.sample_every=0", "eval.n_docs=2", "eval.max_new_tokens=16",
+             "reward.factuality=lexical", "save_every=0", "warmup_steps=0"]
+SMOKE = {  # stage -> (argv replacing the stage's, or None to keep it) and the overrides it adds
+    "docs": (["data.py", "newsworld", "--n", "40", "--seed", "0", "--out", CNN], []),
+    "eval_docs": (["data.py", "newsworld", "--n", "8", "--seed", "7", "--out", "out/cnn/eval.jsonl"], []),
+    "traces": (None, ["drafter.backend=newsworld", "drafter.drafts_per_doc=1", "annotator.api_base={api}",
+                      "annotator.api_model=oracle", "annotator.retries=0", "judge.api_base={api}",
+                      "judge.api_model=oracle", "judge.retries=0", "limit=12",
+                      "batch_docs=12"]),
+    "corpus": (None, ["tokenizer=tiny-1m", "max_tokens=2048", "judge_min=0"]),
+    "sft": (None, _TINY_SFT),
+    "rejection": (None, [*_TINY_SFT, "rejection.k=2", "rejection.max_docs=2"]),
+    "teacher": (None, ["sampling.api_base={api}", "sampling.api_model=oracle", "sampling.api_retries=0",
+                       "data.max_docs=12", "chunk=6"]),
+    "teacher_sft": (None, _TINY_SFT),
+    "kto": (None, [*_TINY_SFT, "kto.min_emission_ratio=0.5"]),
+    "rl_v17": (None, _TINY_RL),
+    "rl_v18": (None, _TINY_RL),
+    "rl_v19": (None, _TINY_RL),
+    "eval": (None, ["base.quant=none", "n_docs=4", "n_samples=1", "max_new_tokens=16", "latency_docs=2",
+                    "batch_size=8", "reward.factuality=lexical"]),
+    "distill": (None, ["student.name_or_path=tiny-0.3m", "steps=2", "data.max_train_docs=4", "generate.filter=none",
+                       "generate.max_new_tokens=16", "eval.n_docs=2", "eval.latency_docs=2", "eval.max_new_tokens=16",
+                       "eval.factuality=lexical", "reward.factuality=lexical", "batch_episodes=2", "save_every=0"]),
+}
+
+
+def smoke_stage(stage: Stage, api: str) -> Stage:
+    """`stage` with its --smoke replacement command or overrides (overrides go before --compare)."""
+    argv, over = SMOKE.get(stage.name, (None, []))
+    argv = list(argv or stage.argv)
+    over = [o.replace("{api}", api) for o in over]
+    at = argv.index("--compare") if "--compare" in argv else len(argv)
+    return dataclasses.replace(stage, argv=[*argv[:at], *over, *argv[at:]])
 
 
 def run_stage(stage: Stage, cwd: Path) -> float:
@@ -264,16 +309,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", default="newsworld", choices=sorted(PROFILES),
                     help="newsworld: the CPU chain (default); cnn_qwen3_4b: the real-data chain for one GPU")
     ap.add_argument("--dry-run", action="store_true", help="print the profile's stage commands in order and stop")
+    ap.add_argument("--smoke", action="store_true",
+                    help="(cnn_qwen3_4b) the same chain on a CPU in minutes: tiny models, the news world for the "
+                         "data, a local oracle teacher; in out/smoke/PROFILE unless --workdir is given")
     ap.add_argument("--full", action="store_true",
                     help="add the rules-only RL baseline, the three ablations and SFT without error masking")
     ap.add_argument("--fresh", action="store_true", help="rerun stages whose outputs exist")
     ap.add_argument("--only", default="", help="comma-separated stage names: " + ", ".join(s.name for s in STAGES))
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="an override for one stage's script, e.g. sft.epochs=1 (repeatable)")
-    ap.add_argument("--workdir", default=".", help="where out/ and runs/ go (default: here)")
+    ap.add_argument("--workdir", default=None, help="where out/ and runs/ go (default: here)")
     ap.add_argument("--out", default="runs/pipeline", help="where the headline table goes (in workdir)")
     args = ap.parse_args(argv)
     stages = PROFILES[args.profile]
+    if args.smoke and args.profile == "newsworld":
+        raise SystemExit("pipeline: --smoke is for a GPU profile (--profile cnn_qwen3_4b); the newsworld chain is "
+                         "already the CPU one")
+    if args.smoke:
+        stages = [smoke_stage(st, "{api}") for st in stages]
     extra: dict[str, list[str]] = {}
     for item in args.set:
         name, _, kv = item.partition(".")
@@ -295,7 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
                 argv_ = [*argv_[:at], *extra[stage.name], *argv_[at:]]
             print(f"{stage.name:12s} python {' '.join(argv_)}")
         return {}
-    work = Path(args.workdir).resolve()
+    work = Path(args.workdir or (f"out/smoke/{args.profile}" if args.smoke else ".")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    server = None
     out = work / args.out
     seconds_path = out / "seconds.json"
     seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
@@ -314,8 +369,17 @@ def main(argv: list[str] | None = None) -> dict:
         if stage.name in extra:  # key=value overrides go before --compare's list
             at = stage.argv.index("--compare") if "--compare" in stage.argv else len(stage.argv)
             stage = dataclasses.replace(stage, argv=[*stage.argv[:at], *extra[stage.name], *stage.argv[at:]])
+        if any("{api}" in a for a in stage.argv):  # --smoke: the oracle teacher, started once the documents exist
+            if server is None:
+                import data
+                import oracle_server
+
+                api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
+            stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])
         seconds[stage.name] = run_stage(stage, work)
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
+    if server is not None:
+        server.shutdown()
     if args.profile != "newsworld":
         report = work / "runs/eval_cnn/report.md"
         print(f"pipeline: {args.profile} done in {time.perf_counter() - t_start:.0f} s this call"

@@ -170,3 +170,32 @@ def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(
     assert all(getattr(c, "score_method", "branch") == "branch" for c in cfgs.values())  # Unsloth: no 4D masks
     with pytest.raises(SystemExit, match="unknown stage"):
         pipeline.main(["--profile", "cnn_qwen3_4b", "--dry-run", "--only", "base"])
+
+
+@pytest.mark.slow
+def test_the_gpu_chain_smoke_runs_on_a_cpu_with_the_same_configs(tmp_path):
+    """`--profile cnn_qwen3_4b --smoke`: every stage of the GPU chain runs, with the GPU
+    user's config and only model, data and step-count overrides (tiny presets, the news
+    world, the oracle teacher on 127.0.0.1), and each stage's output is there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "pipeline.py", "--profile", "cnn_qwen3_4b", "--smoke", "--workdir",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ran = [line.split(": ", 1) for line in res.stdout.splitlines() if line.startswith("=== ")]
+    gpu = {s.name: s for s in pipeline.CNN_STAGES}
+    assert [name[4:] for name, _ in ran] == list(gpu)
+    allowed = {"model.", "data.", "steps=", "epochs=", "eval.", "sampling.", "rejection.", "kto.", "reward.factuality=",
+               "prompts_per_step=", "group_size=", "batch_", "grad_accum=", "save_every=", "warmup_steps=", "base.",
+               "n_docs=", "n_samples=", "max_new_tokens=", "latency_docs=", "student.", "generate.", "annotator.",
+               "judge.", "drafter.", "limit=", "tokenizer=", "max_tokens=", "judge_min=", "chunk="}
+    for (name, cmd), stage in zip(ran, gpu.values()):
+        args = cmd.split()[1:]
+        if "--config" in stage.argv:  # the GPU user's script and config, then only allowed overrides
+            n = stage.argv.index("--config") + 2
+            assert args[:n] == stage.argv[:n], (name, args)
+            extra = [a for a in args[n:] if a not in stage.argv]
+            assert all(a.startswith(tuple(allowed)) for a in extra), (name, extra)
+    for out in ("runs/drgrpo_v19/final", "runs/kto_qwen3_4b/final", "runs/eval_cnn/eval.json",
+                "runs/distill_cnn/distill.json", "out/teacher/cnn_train.done.json"):
+        assert (tmp_path / out).exists(), out
+    assert "teacher episodes for 12/40 training documents" in res.stdout  # v19's ToolMatch had its teacher

@@ -118,3 +118,30 @@ def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
     cfg = common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "data.teacher="])
     with pytest.raises(SystemExit, match="w_match=0.3 needs teacher episodes"):
         rl.main(cfg)
+
+
+def test_the_oracle_server_answers_as_a_teacher_would():
+    import oracle_server
+    import rollout
+    import synth_traces
+
+    docs = list(data.newsworld(3, seed=4))
+    url, httpd = oracle_server.serve(docs)
+    try:
+        client = rollout.ApiClient(url, "oracle", retries=0)
+        for mode in ("chat", "completions"):
+            cfg = rollout.SamplingConfig(backend="api", api_base=url, api_model="oracle", api_mode=mode)
+            [ep] = rollout.rollout_api(docs[:1], 1, cfg, client=client)
+            assert [c.kind for c in ep.calls] == ["search"] and ep.calls[0].hits
+            assert ep.summary == " ".join(sandbox.split_sentences(docs[0].summary))
+        rng = __import__("random").Random(0)
+        draft, _ = data.draft(docs[1], rng, n_errors=2)
+        out = client.post("/chat/completions", {"model": "oracle",
+                                                 "messages": synth_traces.annotation_messages(docs[1].text, draft)})
+        got = json.loads(out["choices"][0]["message"]["content"])["errors"]
+        want = data.oracle_errors(docs[1], draft)
+        assert [e["error_span"] for e in got] == [e["error_span"] for e in want] and len(got) == 2
+        with pytest.raises(rollout.ApiError, match="HTTP 400"):
+            client.post("/completions", {"prompt": "Summarise this article.\n\nNot a known text.\n\nSummary: "})
+    finally:
+        httpd.shutdown()
