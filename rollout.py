@@ -627,7 +627,7 @@ def _score_trees(model, chunk, out, temperature, dev):
 # ---------------------------------------------------------------------------
 
 
-def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens=None):
+def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens=None, context_len=None):
     """The loop shared by request-based backends: each round, every unfinished
     episode is sent its whole context and generates until a stop; its tokens
     are pushed through the builder, which decides what follows.
@@ -641,11 +641,11 @@ def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_token
     reaches `max_context_tokens` ends the episode, truncated, as in the hf
     engines: the budget of a round is what is left of both limits."""
     limit = max_context_tokens if max_context_tokens else float("inf")
+    ctx = context_len or (lambda b: len(b.context_ids()))  # the api backend counts characters, prompt included
     n_gen = [0] * len(builders)
     active = list(range(len(builders)))
     while active:
-        budgets = [max(1, int(min(max_new_tokens - n_gen[i], limit - len(builders[i].context_ids()))))
-                   for i in active]
+        budgets = [max(1, int(min(max_new_tokens - n_gen[i], limit - ctx(builders[i])))) for i in active]
         results = generate_round([(builders[i], k) for i, k in zip(active, budgets)])
         nxt = []
         for i, (ids, lps, finish) in zip(active, results):
@@ -656,7 +656,7 @@ def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_token
                 if b.push(t, lp):
                     stopped = True
                     break
-            out_of_room = n_gen[i] >= max_new_tokens or len(b.context_ids()) >= limit
+            out_of_room = n_gen[i] >= max_new_tokens or ctx(b) >= limit
             if stopped:
                 act = b.end_turn()
             elif finish == "stop_string" and not out_of_room:
@@ -666,7 +666,7 @@ def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_token
                 act = b.end_turn("truncated")
             if act.kind == "done":
                 continue
-            if n_gen[i] >= max_new_tokens or len(b.context_ids()) >= limit:
+            if n_gen[i] >= max_new_tokens or ctx(b) >= limit:
                 b.end_turn("truncated")  # no room left after the tool call
             else:
                 nxt.append(i)
@@ -836,7 +836,13 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
         with ThreadPoolExecutor(max(1, cfg.api_concurrency)) as pool:
             return list(pool.map(one, reqs))
 
-    eps = _drive_multiturn(builders, generate_round, cfg.max_new_tokens)
+    # The context guard in characters (the server's tokenizer is not at hand): about four
+    # a token, the prompt's included, so a long document and its tool results end the
+    # episode as truncated instead of a 400 from the server for an over-long prompt.
+    prompt_chars = {id(b): len(sandbox.prompt_messages(b.index.text)[1]["content"]) + len(sandbox.SYSTEM_PROMPT)
+                    for b in builders}
+    eps = _drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
+                           context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
     for ep in eps:  # character ids are not a tokenisation: keep the text record only
         for t in ep.turns:
             t.ids = t.logprobs = t.inj_ids = t.prune = None

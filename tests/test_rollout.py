@@ -296,3 +296,23 @@ def test_sampling_cuda_logits_with_a_cuda_generator_and_with_a_resumed_cpu_one()
     tok_cpu, _ = R.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(0))  # a CPU state resumed on a GPU
     assert tok_cpu.device.type == "cuda"
     assert torch.equal(tok_cpu.cpu(), R.sample(logits.cpu(), 1.0, 0.9, torch.Generator().manual_seed(0))[0])
+
+
+def test_api_backend_guards_the_context_too():
+    """A document whose prompt and results pass max_context_tokens (about four characters a
+    token) ends the episode as truncated instead of sending the server an over-long prompt."""
+    srv = _Server([("Acme made $5 billion.<search>/revenue of/", "stop"), (" More.", "stop")])
+    srv.failures = []
+    prompt = len(__import__("sandbox").prompt_messages(DOC)[1]["content"]) + len(S_PROMPT)
+    room = (prompt + 80) // 4  # the prompt and the first round's 46 characters, not the results after them
+    cfg = R.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
+                           max_new_tokens=500, max_context_tokens=room)
+    try:
+        [ep] = R.rollout_api([DOC], 1, cfg, client=R.ApiClient(srv.url, "teacher", retries=0))
+    finally:
+        srv.httpd.shutdown()
+    assert ep.flags.get("truncated") and len(srv.requests) == 1
+    assert srv.requests[0]["max_tokens"] <= 4 * room - prompt
+
+
+S_PROMPT = __import__("sandbox").SYSTEM_PROMPT
