@@ -38,6 +38,7 @@ are skipped and counted, never cut (a cut would train a dangling tool call).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -285,11 +286,20 @@ def kto_step_loss(model, ref_copy, episodes: list, labels: dict, cfg: Config, n_
     return losses.sum() / n_step
 
 
+def documents_of(episodes: list, docs_path: str) -> list:
+    """Each episode's document: the record of `docs_path` with its doc_id when given
+    (the oracle grades with its fact table), else the episode's own text."""
+    by_id = {}
+    if docs_path:
+        import data
+
+        by_id = {d.id: d for d in data.read_documents(docs_path)}
+    return [by_id.get(e.doc_id) if e.doc_id in by_id else _Doc(e.doc_id, e.document) for e in episodes]
+
+
 def kto_labels(episodes: list, cfg: Config) -> list[bool]:
-    """Desirable: a valid episode that passes the reward (its document from data.docs when given)."""
-    docs = {d.id: d for d in held_out_documents(episodes, cfg.data.docs, len(episodes))}
-    good = set(map(id, passing(episodes, [docs.get(e.doc_id) or _Doc(e.doc_id, e.document) for e in episodes],
-                               cfg.reward)))
+    """Desirable: a valid episode that passes the reward."""
+    good = set(map(id, passing(episodes, documents_of(episodes, cfg.data.docs), cfg.reward)))
     return [id(e) in good for e in episodes]
 
 
@@ -468,14 +478,11 @@ def teacher_corpus(episodes: list, cfg: Config) -> list[sandbox.Episode]:
     (`teacher.strict`), each bucket up-sampled to the largest (`teacher.bucket`)."""
     kept = episodes
     if cfg.teacher.strict:
-        docs = {d.id: d for d in held_out_documents(episodes, cfg.data.docs, len(episodes))}
-        kept = passing(episodes, [docs.get(e.doc_id) or _Doc(e.doc_id, e.document) for e in episodes], cfg.reward)
+        kept = passing(episodes, documents_of(episodes, cfg.data.docs), cfg.reward)
     out = upsample_buckets(kept, cfg.teacher.bucket, cfg.seed)
-    counts = {}
-    for e in kept:
-        counts[bucket_of(e, cfg.teacher.bucket)] = counts.get(bucket_of(e, cfg.teacher.bucket), 0) + 1
+    counts = collections.Counter(bucket_of(e, cfg.teacher.bucket) for e in kept)
     print(f"teacher: {len(kept)}/{len(episodes)} episodes kept" + (" (valid and passing)" if cfg.teacher.strict else "")
-          + f"; buckets {counts} -> {len(out)} episodes")
+          + f"; buckets {dict(counts)} -> {len(out)} episodes")
     if not kept:
         raise SystemExit(f"{cfg.data.train}: no teacher episode passes the reward; nothing to train on "
                          "(teacher.strict=false trains on all of them)")
