@@ -144,21 +144,22 @@ def test_features_are_the_support_score_and_missing_words():
     assert len(FC.features(DOC, s)) == len(FC.FEATURES)
 
 
-def test_features_repair_sentence_boundaries_of_lower_cased_summaries_and_glued_documents():
+def test_support_repairs_sentence_boundaries_of_lower_cased_summaries_and_glued_documents():
     # lower-cased output: one faulty sentence must not hide in one long "sentence"
     low = "granite group reported revenue of $4.2 billion. pirates stole the moon."
     assert len(R.sandbox.split_sentences(low)) == 1
-    assert FC.repair_summary(low) == "granite group reported revenue of $4.2 billion. Pirates stole the moon."
-    assert FC.features(DOC, low)[0] == R.support_factuality(DOC, FC.repair_summary(low)) == 0.0
+    assert R.repair_summary(low) == "granite group reported revenue of $4.2 billion. Pirates stole the moon."
+    assert R.support_factuality(DOC, low) == 0.0  # the worst sentence, as in cased text
+    assert len(R.support_details(DOC, low)[1]) == 2
     cased = "Shares rose 12%. They fell, e.g. in New York."  # cased text: "e.g. in" is no sentence end
-    assert FC.repair_summary(cased) == cased
+    assert R.repair_summary(cased) == cased
     # a document whose sentences are glued ("trading.Analysts" reads as one word): repaired, it reads as clean text
     glued = DOC.replace(". ", ".")
-    assert FC.repair_document(glued) == DOC
+    assert R.repair_document(glued) == DOC
     for claim in ("Analysts expected weaker sales.", "Analysts expected factories."):
-        assert FC.features(glued, claim) == FC.features(DOC, claim)
-    assert R.support_factuality(glued, "Analysts expected weaker sales.") < 1.0
-    assert FC.features(glued, "Analysts expected weaker sales.")[0] == 1.0
+        assert R.support_details(glued, claim)[1][0]["score"] == R.support_details(DOC, claim)[1][0]["score"]
+    assert R.support_factuality(glued, "Analysts expected weaker sales.") == 1.0
+    assert FC.features(glued, "Analysts expected weaker sales.") == FC.features(DOC, "Analysts expected weaker sales.")
 
 
 def test_training_on_the_news_world_ranks_references_above_faulty_drafts(tmp_path):
