@@ -1943,9 +1943,11 @@ def factuality_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None 
     cfg = cfg or _DEFAULT_CFG
     items = list(items)
     docs = [d for d, _ in items]
-    facts = Scorer(cfg).factuality(docs, [summary_info(s, cfg) for _, s in items],
-                                   [document_info(d, cfg) for d in docs], cfg)
-    return [float(f) for f, _ in facts]
+    if cfg.factuality == "lexical":  # the only backend that reads the analyses
+        summaries, infos = [summary_info(s, cfg) for _, s in items], [document_info(d, cfg) for d in docs]
+    else:
+        summaries, infos = [SummaryInfo(_text_of(s), 0, [], [], []) for _, s in items], [None] * len(docs)
+    return [float(f) for f, _ in Scorer(cfg).factuality(docs, summaries, infos, cfg)]
 
 
 def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None, scorer: Scorer | None = None,
