@@ -148,6 +148,12 @@ class Config:
     tis_cap: float = 2.0  # truncated importance-sampling weight cap (sampler != trainer only)
     advantage: Literal["outcome", "turn"] = "outcome"  # turn: + per-step ToolMatch credit on call turns
     turn_credit: float = 1.0  # scale of that per-step credit
+    # Tokens of text a later delete in the same rollout retracted (Turn.masked): "all"
+    # trains them with the episode's advantage like every other token; "negative" only
+    # when it is negative (a rollout that did well is not reinforced for the wrong
+    # sentence it wrote before correcting it; one that did badly is still pushed away
+    # from it); "none" never (SFT's error masking, on policy).
+    retracted_credit: Literal["all", "negative", "none"] = "all"
     # group: one tree per group sharing its prompt; tree: one per episode (both need sdpa or eager
     # attention); branch: plain padded sequences (any attention, e.g. Unsloth's)
     score_method: Literal["group", "tree", "branch"] = "group"
@@ -265,6 +271,22 @@ def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Seq
             else:
                 out += [a] * n
     return torch.tensor(out, dtype=torch.float32)
+
+
+def retracted_mask(episodes: Sequence[sandbox.Episode]) -> torch.Tensor:
+    """(T,) True on every generated token that holds text a later delete retracted
+    (`Turn.masked`), in the order of `flat` and `token_advantages`."""
+    return torch.tensor([j in masked for ep in episodes for t in ep.turns
+                         for masked in (set(t.masked or ()),) for j in range(len(t.ids))], dtype=torch.bool)
+
+
+def apply_retracted_credit(adv: torch.Tensor, retracted: torch.Tensor, mode: str) -> torch.Tensor:
+    """`adv` with retracted tokens' advantages kept ("all"), kept only where negative
+    ("negative"), or zeroed ("none"): a zero advantage contributes no gradient."""
+    if mode == "all":
+        return adv
+    drop = retracted & (adv > 0) if mode == "negative" else retracted
+    return adv.masked_fill(drop.to(adv.device), 0.0)
 
 
 def flat(per_turn: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor:
@@ -648,7 +670,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         for s in range(0, len(keep), cfg.micro_groups * G):
             idx = keep[s:s + cfg.micro_groups * G]
             mb = [eps[i] for i in idx]
-            b = {"eps": mb, "adv": token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, tok)).to(dev),
+            adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, tok))
+            adv = apply_retracted_credit(adv, retracted_mask(mb), cfg.retracted_credit)
+            b = {"eps": mb, "adv": adv.to(dev),
                  "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
             if cfg.beta > 0:
                 model.eval()

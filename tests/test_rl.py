@@ -608,3 +608,22 @@ def test_rl_from_an_sft_adapter_anchors_the_kl_on_that_adapter_not_on_the_base(p
     final = tmp_path / "run" / "t" / "final"
     assert not (final / common.REFERENCE_ADAPTER).exists()  # the frozen copy is not saved
     assert (final / "adapter_config.json").exists()
+
+
+def test_retracted_tokens_can_be_left_out_of_the_positive_credit():
+    """A rollout that wrote a wrong sentence, searched, deleted and rewrote: with
+    retracted_credit=negative its retracted tokens get no positive advantage (the
+    correction is reinforced, the error is not); negative advantages still reach them."""
+    builder_ep = R.rollout(tiny_llama(TOK), TOK, [DOC], 1, R.SamplingConfig(max_new_tokens=60),
+                           S.Limits(), logits_processor=R.ScriptedProcessor({0: script_ids(TOK, DELETE_SCRIPT)}))[0]
+    ep = builder_ep
+    assert any(t.masked for t in ep.turns)
+    mask = rl.retracted_mask([ep])
+    assert mask.sum().item() == sum(len(t.masked or ()) for t in ep.turns)
+    assert len(mask) == sum(len(t.ids) for t in ep.turns)
+    pos, neg = torch.full((len(mask),), 0.5), torch.full((len(mask),), -0.5)
+    assert torch.equal(rl.apply_retracted_credit(pos, mask, "all"), pos)
+    got = rl.apply_retracted_credit(pos, mask, "negative")
+    assert (got[mask] == 0).all() and (got[~mask] == 0.5).all()
+    assert torch.equal(rl.apply_retracted_credit(neg, mask, "negative"), neg)
+    assert (rl.apply_retracted_credit(neg, mask, "none")[mask] == 0).all()
