@@ -157,8 +157,9 @@ class LoadReport:
             self.errors.append(msg)
 
 
-def _jsonl_records(path: str, report: LoadReport, skip_bad: bool) -> Iterator[tuple[int, dict]]:
+def jsonl_records(path: str, report: LoadReport | None = None, skip_bad: bool = False) -> Iterator[tuple[int, dict]]:
     """(line number, parsed object) for each non-blank line, with errors that name file and line."""
+    report = report if report is not None else LoadReport()
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -257,7 +258,7 @@ def load_jsonl(path: str, mapping: str | dict | None = None, limit: int | None =
     stem = os.path.splitext(os.path.basename(path))[0]
     if limit is not None and limit <= 0:
         return
-    for lineno, rec in _jsonl_records(path, report, skip_bad):
+    for lineno, rec in jsonl_records(path, report, skip_bad):
         try:
             if mapping is None:
                 doc = Document.from_json(rec)

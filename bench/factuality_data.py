@@ -96,17 +96,11 @@ def load(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         raise SystemExit(f"{path}: no such file (see `python bench/factuality.py --help` for the FRANK fetch)")
+    import data  # the project's JSONL reader: bad UTF-8 or JSON raise naming the file and line
+
     out = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{i}: not JSON ({e.msg})") from None
-            if not isinstance(r, dict):
-                raise SystemExit(f"{path}:{i}: a record must be a JSON object")
+    try:
+        for i, r in data.jsonl_records(str(path)):
             missing = [k for k in FIELDS if k not in r]
             if missing:
                 raise SystemExit(f"{path}:{i}: missing field(s) {', '.join(missing)}")
@@ -121,6 +115,8 @@ def load(path: str | Path) -> list[dict]:
             except (TypeError, ValueError):
                 raise SystemExit(f"{path}:{i}: human must be a number, got {r['human']!r}") from None
             out.append(r)
+    except data.DataError as e:
+        raise SystemExit(str(e)) from None
     if not out:
         raise SystemExit(f"{path}: no records")
     return out

@@ -194,7 +194,7 @@ def test_load_names_the_file_line_and_field(tmp_path):
     good = json.loads((ROOT / "bench/data/factuality_sample.jsonl").read_text().splitlines()[0])
     p = tmp_path / "x.jsonl"
     p.write_text(json.dumps(good) + "\n{not json\n")
-    with pytest.raises(SystemExit, match=r"x.jsonl:2: not JSON"):
+    with pytest.raises(SystemExit, match=r"x.jsonl:2: malformed JSON line"):
         FD.load(p)
     p.write_text(json.dumps({k: v for k, v in good.items() if k != "label"}) + "\n")
     with pytest.raises(SystemExit, match=r"x.jsonl:1: missing field\(s\) label"):
