@@ -405,6 +405,20 @@ def parse_args(cls: type, argv: list[str] | None = None,
     return _build(cls, flat), present
 
 
+@contextmanager
+def config_errors_exit():
+    """For a script's `__main__`: a ConfigError inside the block exits with one
+    line, `error: ...`, instead of a traceback.
+
+        with common.config_errors_exit():
+            cfg = common.load_config(Config)
+    """
+    try:
+        yield
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def load_config(cls: type, argv: list[str] | None = None) -> Any:
     """defaults < `--config FILE.yaml` < `key.sub=value`; argv defaults to sys.argv[1:]."""
     return parse_args(cls, argv)[0]

@@ -499,8 +499,6 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    try:
+    with common.config_errors_exit():
         _cfg = common.load_config(Config)
-    except common.ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
     main(_cfg)

@@ -665,9 +665,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
 
 
 if __name__ == "__main__":
-    try:
+    with common.config_errors_exit():
         _argv, _compare = split_compare(sys.argv[1:])
         _cfg, _ = common.parse_args(Config, _argv, flags=("--compare",))
-    except common.ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
     main(_cfg, _compare)

@@ -764,10 +764,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
 
 
 if __name__ == "__main__":
-    try:
+    with common.config_errors_exit():
         _cfg, _flags = common.parse_args(Config, flags=("--plan",))
-    except common.ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
     if "--plan" in _flags:
         print(format_plan(_cfg))
     else:

@@ -134,8 +134,6 @@ def done_path(cfg: Config) -> Path:
 
 
 if __name__ == "__main__":
-    try:
+    with common.config_errors_exit():
         _cfg = common.load_config(Config)
-    except common.ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
     main(_cfg)
