@@ -99,7 +99,7 @@ class EvalConfig:
     latency_docs: int = 16  # of those, timed one at a time (batch 1)
     n_samples: int = 1  # sampled rollouts per document (eval.py's pass@k; 1 keeps it cheap)
     max_new_tokens: int = 160
-    factuality: Literal["fenice", "lexical", "support", "learned", "oracle"] = "oracle"  # backend of the reported factuality
+    factuality: rewards.Backend = "oracle"  # backend of the reported factuality
 
 
 @dataclass

@@ -60,7 +60,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
@@ -98,7 +98,7 @@ class Config:
     max_deletes: int = 5
     max_tokens: int = 2048  # the trainer's sequence budget
     relevance_min: float = 0.3  # TF-IDF cosine of top result and correction
-    factuality: Literal["lexical", "support", "learned", "oracle", "fenice"] = "lexical"  # scorer of the gain (lexical sees the drafter's in-document swaps; support does not)
+    factuality: rewards.Backend = "lexical"  # scorer of the gain (lexical sees the drafter's in-document swaps; support does not)
     gain_min: float = 0.05
     result_tokens: int = 200  # policy tokens per results block
     limits: dict[str, int] = field(default_factory=dict)  # other sandbox limits of the replay (as the synth run's)

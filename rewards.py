@@ -66,6 +66,7 @@ SUPPORT_NAME = "support (model-free, document-level word support)"
 LEARNED_NAME = "learned (logistic regression over model-free features)"
 BACKEND_NAMES = {"fenice": "fenice", "lexical": LEXICAL_NAME, "support": SUPPORT_NAME, "learned": LEARNED_NAME,
                  "oracle": "oracle (news world fact table)"}
+Backend = Literal["fenice", "lexical", "support", "learned", "oracle"]  # a config's factuality key (every script)
 
 
 def _rule_map(values: dict[str, float], defaults: dict[str, float], what: str) -> dict[str, float]:
@@ -174,7 +175,7 @@ class CurriculumConfig:
 
 @dataclass
 class RewardConfig:
-    factuality: Literal["fenice", "lexical", "support", "learned", "oracle"] = "lexical"  # backend of F
+    factuality: Backend = "lexical"  # backend of F
     # The oracle's unit: "sentence", the share of summary sentences with no error;
     # "fact", the share of stated names, numbers and dates it supports (fact precision).
     oracle_unit: Literal["sentence", "fact"] = "sentence"
@@ -1699,6 +1700,16 @@ def _jaccard(a: frozenset | set, b: frozenset | set) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
+@functools.lru_cache(maxsize=1024)
+def _unsupported(document: str, retracted: str) -> float:
+    """How unsupported by `document` a retracted text is, 1 - the lower of the lexical and
+    support scores; 0 for words that state nothing. Cached: ToolMatch's alignment grades
+    each policy delete against every teacher delete."""
+    if not _support_words(retracted):
+        return 0.0
+    return 1.0 - min(lexical_factuality(document, retracted), support_factuality(document, retracted))
+
+
 def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float = 0.5,
                    document: str | None = None) -> float:
     """Agreement of one policy call with one teacher call, in [0, 1]: `kind_weight`
@@ -1715,9 +1726,7 @@ def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float
         if call.hits and teacher.hits:
             overlap = max(overlap, _jaccard(set(call.hits), set(teacher.hits)))
     elif document is not None:
-        retracted = call.deleted or ""  # retracting words that state nothing earns nothing
-        overlap = 1.0 - min(lexical_factuality(document, retracted), support_factuality(document, retracted)) \
-            if _support_words(retracted) else 0.0
+        overlap = _unsupported(document, call.deleted or "")
     else:
         a, b = frozenset(sandbox.words(call.deleted or "")), frozenset(sandbox.words(teacher.deleted or ""))
         overlap = _jaccard(a, b) if a or b else float(call.arg == teacher.arg)

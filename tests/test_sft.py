@@ -296,8 +296,6 @@ def test_kto_loss_matches_a_hand_computation():
 
 
 def test_kto_mode_prefers_the_desirable_episodes_and_its_guard_stops_it(tiny, traces, tmp_path, monkeypatch):
-    import rewards
-
     base = S.read_episodes(str(traces / "train.jsonl"))[:16]
     monkeypatch.setattr(sft, "kto_labels", lambda eps, cfg: [i % 2 == 0 for i in range(len(eps))])
     cfg = cfg_for(tiny, traces, tmp_path / "kto", mode="kto", epochs=4, batch_episodes=8, lr=5e-3,
