@@ -149,13 +149,24 @@ SMOKE = {  # stage -> (argv replacing the stage's, or None to keep it) and the o
 }
 
 
-def smoke_stage(stage: Stage, api: str) -> Stage:
-    """`stage` with its --smoke replacement command or overrides (overrides go before --compare)."""
-    argv, over = SMOKE.get(stage.name, (None, []))
+def with_overrides(stage: Stage, over: list[str], argv: list[str] | None = None) -> Stage:
+    """`stage` (its command replaced by `argv` if given) with key=value overrides, which
+    go before eval's `--compare` list."""
     argv = list(argv or stage.argv)
-    over = [o.replace("{api}", api) for o in over]
     at = argv.index("--compare") if "--compare" in argv else len(argv)
     return dataclasses.replace(stage, argv=[*argv[:at], *over, *argv[at:]])
+
+
+def smoke_stage(stage: Stage) -> Stage:
+    """`stage` with its --smoke replacement command or overrides; "{api}" stays for the
+    oracle teacher's URL, known once it is started."""
+    argv, over = SMOKE.get(stage.name, (None, []))
+    return with_overrides(stage, over, argv)
+
+
+def selected(stage: Stage, only: list[str], full: bool) -> bool:
+    """Whether this call runs `stage`: the --only list when given, else every stage but --full's."""
+    return stage.name in only if only else (full or not stage.full_only)
 
 
 def run_stage(stage: Stage, cwd: Path) -> float:
@@ -326,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("pipeline: --smoke is for a GPU profile (--profile cnn_qwen3_4b); the newsworld chain is "
                          "already the CPU one")
     if args.smoke:
-        stages = [smoke_stage(st, "{api}") for st in stages]
+        stages = [smoke_stage(st) for st in stages]
     extra: dict[str, list[str]] = {}
     for item in args.set:
         name, _, kv = item.partition(".")
@@ -340,13 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in stages]}")
     if args.dry_run:
         for stage in stages:
-            if (only and stage.name not in only) or (stage.full_only and not args.full and stage.name not in only):
-                continue
-            argv_ = stage.argv
-            if stage.name in extra:
-                at = argv_.index("--compare") if "--compare" in argv_ else len(argv_)
-                argv_ = [*argv_[:at], *extra[stage.name], *argv_[at:]]
-            print(f"{stage.name:12s} python {' '.join(argv_)}")
+            if selected(stage, only, args.full):
+                print(f"{stage.name:12s} python {' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
         return {}
     work = Path(args.workdir or (f"out/smoke/{args.profile}" if args.smoke else ".")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
     t_start = time.perf_counter()
     for stage in stages:
-        if (only and stage.name not in only) or (stage.full_only and not args.full and stage.name not in only):
+        if not selected(stage, only, args.full):
             continue
         if (work / stage.output).exists() and not args.fresh and stage.name not in only:
             print(f"=== {stage.name}: {stage.output} exists, skipped (--fresh reruns it)")
@@ -366,9 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.fresh and (work / stage.output).is_file():
             # nor build on an old output: synth resumes an existing trace file, and a frozen split refuses a rewrite
             (work / stage.output).unlink()
-        if stage.name in extra:  # key=value overrides go before --compare's list
-            at = stage.argv.index("--compare") if "--compare" in stage.argv else len(stage.argv)
-            stage = dataclasses.replace(stage, argv=[*stage.argv[:at], *extra[stage.name], *stage.argv[at:]])
+        stage = with_overrides(stage, extra.get(stage.name, []))
         if any("{api}" in a for a in stage.argv):  # --smoke: the oracle teacher, started once the documents exist
             if server is None:
                 import data
