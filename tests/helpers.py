@@ -145,3 +145,30 @@ def load_config_file(path):
 
     module = importlib.import_module(script_for(os.path.basename(path)))
     return common.load_config(module.Config, ["--config", str(path)])
+
+
+def post_server(answer):
+    """A stand-in HTTP endpoint on 127.0.0.1, in a daemon thread: every POST's JSON
+    body goes to `answer(body) -> (status, reply)`, the reply a dict (sent as JSON) or
+    bytes. Returns (its /v1 URL, the server: call .shutdown())."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            status, reply = answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+            self.send_response(status)
+            if not isinstance(reply, bytes):
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}/v1", httpd

@@ -1,14 +1,10 @@
 """The rollout engine: exactness against the re-prefilling oracle, recorded
 contexts, sampler log-probs reproduced by scoring, and the api backend."""
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 
 import rollout as R
-from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
+from helpers import DOC, bpe_tokenizer, post_server, script_ids, tiny_llama
 
 TOK = bpe_tokenizer()
 DOCS = [DOC, DOC[:420], "Globex shares fell 3.5% on Monday. Acme rose. Jane K. Doe resigned on Jan. 5, 2024."]
@@ -166,33 +162,15 @@ class _Server:
         self.replies = list(replies)
         self.requests = []
         self.failures = [429, 500]
-        outer = self
+        self.url, self.httpd = post_server(self.answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if outer.failures:
-                    self.send_response(outer.failures.pop(0))
-                    self.end_headers()
-                    self.wfile.write(b"try later")
-                    return
-                outer.requests.append(body)
-                text, reason = outer.replies.pop(0)
-                out = {"choices": [{"text": text, "finish_reason": reason}],
-                       "usage": {"prompt_tokens": 10, "completion_tokens": len(text.split())}}
-                data = json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def answer(self, body):
+        if self.failures:
+            return self.failures.pop(0), b"try later"
+        self.requests.append(body)
+        text, reason = self.replies.pop(0)
+        return 200, {"choices": [{"text": text, "finish_reason": reason}],
+                     "usage": {"prompt_tokens": 10, "completion_tokens": len(text.split())}}
 
 
 def test_api_backend_drives_the_sandbox():

@@ -1,8 +1,6 @@
 """teacher_episodes.py: teacher rollouts through the sandbox from an OpenAI-compatible
 server on 127.0.0.1, resumable; rl.py names that producer when v19 lacks its episodes."""
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -11,6 +9,7 @@ import data
 import rl
 import sandbox
 import teacher_episodes as T
+from helpers import post_server
 
 
 class TeacherServer:
@@ -18,32 +17,16 @@ class TeacherServer:
     `fail_after` requests, every later one answers 400 (a dead endpoint)."""
 
     def __init__(self, fail_after: int | None = None):
-        self.requests, outer = [], self
+        self.requests, self.fail_after = [], fail_after
+        self.url, self.httpd = post_server(self.answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append(body)
-                if fail_after is not None and len(outer.requests) > fail_after:
-                    self.send_response(400)
-                    self.end_headers()
-                    self.wfile.write(b"bad request")
-                    return
-                so_far = body["prompt"].split("Summary: ", 1)[1]
-                text = " The company grew." if "<results>" in so_far else "It grew.<search>/[0-9]+/"
-                out = json.dumps({"choices": [{"text": text, "finish_reason": "stop"}], "usage": {}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def answer(self, body):
+        self.requests.append(body)
+        if self.fail_after is not None and len(self.requests) > self.fail_after:
+            return 400, b"bad request"
+        so_far = body["prompt"].split("Summary: ", 1)[1]
+        text = " The company grew." if "<results>" in so_far else "It grew.<search>/[0-9]+/"
+        return 200, {"choices": [{"text": text, "finish_reason": "stop"}], "usage": {}}
 
 
 @pytest.fixture
