@@ -502,7 +502,10 @@ def load_model(cfg: Config):
             mcfg = dataclasses.replace(mcfg, adapter_path=str(init))
         else:
             mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
-    return common.load_policy(mcfg, train=True)
+    model, tok = common.load_policy(mcfg, train=True)
+    if cfg.mode == "kto" and mcfg.adapter_path:
+        common.add_reference_adapter(model, mcfg.adapter_path)  # the reference is the starting policy (as in rl.py)
+    return model, tok
 
 
 def main(cfg: Config) -> dict:
@@ -549,10 +552,7 @@ def main(cfg: Config) -> dict:
         print(f"kto: {n_d} desirable, {len(train) - n_d} undesirable episodes (valid and passing the reward or not)")
         if n_d in (0, len(train)):
             print("kto: warning: one class only; KTO then pushes every episode the same way")
-        if getattr(model, "peft_config", None):
-            if cfg.init and (Path(cfg.init) / "adapter_config.json").exists():
-                common.add_reference_adapter(model, cfg.init)  # the reference is the starting policy
-        else:
+        if not getattr(model, "peft_config", None):  # a full fine-tune's reference: its starting weights
             ref_copy = common.frozen_copy(model)
     checked = validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
