@@ -64,13 +64,10 @@ class OracleTeacher:
         return " " + " ".join(sents[1:]) if len(sents) > 1 else ""
 
 
-def _cut(text: str, stops) -> tuple[str, str]:
-    """The text up to the first stop string (dropped), and the finish reason."""
-    hits = [(text.find(s), s) for s in stops or () if s in text]
-    if not hits:
-        return text, "stop"
-    at, _ = min(hits)
-    return text[:at], "stop"
+def _cut(text: str, stops) -> str:
+    """The text up to the first stop string, which is dropped (finish reason "stop" either way)."""
+    hits = [text.find(s) for s in stops or () if s in text]
+    return text[:min(hits)] if hits else text
 
 
 def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, ThreadingHTTPServer]:
@@ -103,13 +100,13 @@ def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Threa
                         text = teacher.judge(user)
                     else:
                         text = teacher.summarise(user, so_far)
-                    text, finish = _cut(text, body.get("stop"))
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                    text = _cut(text, body.get("stop"))
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
                 elif self.path.endswith("/completions"):
                     prompt = body["prompt"]
                     head, _, so_far = prompt.rpartition("Summary: ")
-                    text, finish = _cut(teacher.summarise(head, so_far), body.get("stop"))
-                    choice = {"index": 0, "text": text, "finish_reason": finish}
+                    text = _cut(teacher.summarise(head, so_far), body.get("stop"))
+                    choice = {"index": 0, "text": text, "finish_reason": "stop"}
                 else:
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
             except (KeyError, ValueError, TypeError, IndexError) as e:
