@@ -264,11 +264,19 @@ def test_lexical_factuality(summary, lo, hi):
     assert lo <= R.lexical_factuality(DOC, summary) <= hi
 
 
+LEXICAL = R.RewardConfig(factuality="lexical")  # the default is support
+
+
+def test_the_default_scorer_is_support_the_one_that_holds_up_on_real_summaries():
+    out = R.score(DOC, "Acme Corp. reported revenue of $4.2 billion.")
+    assert R.RewardConfig().factuality == "support" and out["factuality_backend"] == R.SUPPORT_NAME
+
+
 def test_lexical_is_the_mean_over_claims_and_names_itself():
     a, b = "Acme Corp. reported revenue of $4.2 billion.", "Acme reported revenue of $9 billion."
     fa, fb = R.lexical_factuality(DOC, a), R.lexical_factuality(DOC, b)
     assert R.lexical_factuality(DOC, a + " " + b) == pytest.approx((fa + fb) / 2)
-    out = R.score(DOC, a)
+    out = R.score(DOC, a, LEXICAL)
     assert out["factuality_backend"] == R.LEXICAL_NAME == "lexical (model-free approximation)"
     assert out["claims"][0]["premises"] == [sandbox.split_sentences(DOC)[0]]
 
@@ -787,7 +795,7 @@ def agreement(n_docs=100, drafts_per_doc=4, seed=0):
         for _ in range(drafts_per_doc):
             text, _ = data.draft(doc, rng)
             bad = {e["sentence_index"] for e in data.oracle_errors(doc, text)}
-            claims = R.score(doc, text)["claims"]
+            claims = R.score(doc, text, LEXICAL)["claims"]
             flagged = {i for i, c in enumerate(claims) if c["score"] < CLAIM_FAIL}
             summaries.append((bool(bad), bool(flagged)))
             sentences += [(i in bad, i in flagged) for i in range(len(claims))]
