@@ -175,6 +175,22 @@ def test_training_on_the_news_world_ranks_references_above_faulty_drafts(tmp_pat
     assert sum(hits) >= 15, hits
 
 
+def test_cross_validation_reads_the_dev_split_only_and_reports_both_scorers(tmp_path, capsys):
+    sample = ROOT / "bench" / "data" / "factuality_sample.jsonl"
+    records = [json.loads(line) for line in sample.read_text().splitlines()]
+    rows = FC.dev_pairs(str(sample))
+    assert len(rows) == sum(r["split"] == "dev" for r in records) == 16
+    news = [(FC.features(d, s), t) for d, s, t in FC.newsworld_pairs(6)]
+    cv = FC.cross_validate(rows, news, k=2, seeds=(0,))
+    assert set(cv) == {"cnndm", "xsum"} and all(set(v) == {"support", "learned"} for v in cv.values())
+    assert all(0.0 <= ba <= 1.0 and -1.0 <= tau <= 1.0 for v in cv.values() for ba, tau in v.values())
+    # the test split is never read: scrambling its labels changes nothing
+    scrambled = tmp_path / "scrambled.jsonl"
+    scrambled.write_text("".join(json.dumps({**r, **({"human": 1.0 - r["human"], "label": 1 - r["label"]}
+                                                    if r["split"] == "test" else {})}) + "\n" for r in records))
+    assert FC.cross_validate(FC.dev_pairs(str(scrambled)), news, k=2, seeds=(0,)) == cv
+
+
 def test_the_shipped_weights_load_and_say_what_trained_them():
     model = FC.load(str(ROOT / R.LearnedConfig().path))
     assert model.meta["splits_used"] == "dev only"
