@@ -64,6 +64,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,11 @@ class DataConfig:
     # that near-duplicate the split's eval or never-touch pools are skipped.
     fresh: int = 0
     fresh_seed: int = 2
+    # > 0: held-out evaluation during training runs on this many fresh news-world documents
+    # of `validation_seed` (guarded against the held-out clusters as `fresh` is), not on the
+    # split's eval pool: a choice made from it (steps, `eval.keep_best`) leaves that pool a test set.
+    validation: int = 0
+    validation_seed: int = 3
     max_prompt_tokens: int = 0  # documents whose prompt is longer are skipped (0 = keep all)
     teacher: str = ""  # teacher Episode JSONL for ToolMatch, matched by doc_id (teacher_episodes.py writes it)
 
@@ -102,6 +108,10 @@ class EvalConfig:
     max_new_tokens: int = 160
     factuality: str = ""  # backend of held-out scoring ("" = reward.factuality; e.g. oracle to check a lexical proxy)
     sample_every: int = 10  # steps between sample episodes written to samples.jsonl (0 = never)
+    # An eval metric (e.g. eval_fact_precision, eval_total): `final` holds the weights of the
+    # evaluated step (after step 0) where it was highest, not the last step's (HF Trainer's
+    # load_best_model_at_end); best/ holds them during the run, best.json says which step.
+    keep_best: str = ""
     n_samples: int = 4  # episodes written each time
 
 
@@ -390,14 +400,22 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
             raise SystemExit(f"no document of {cfg.train} is in the train pool of {cfg.split}: "
                              "a split of other documents? (data.split='' uses them all)")
         how += f", split {cfg.split}"
+        if cfg.validation and cfg.fresh and cfg.validation_seed == cfg.fresh_seed:
+            raise SystemExit(f"data.validation_seed={cfg.validation_seed} is data.fresh_seed: validation documents "
+                             "would be training documents")
+        if cfg.validation:
+            held, skipped = data.fresh_documents(cfg.validation, cfg.validation_seed,
+                                                 data.held_out_guard(docs, manifest, cfg.split))
+            how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
+                    f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
         if cfg.fresh:
             train, skipped = data.fresh_documents(cfg.fresh, cfg.fresh_seed,
                                                   data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped)")
-    elif cfg.fresh:
-        raise SystemExit("data.fresh needs a split (data.split): its eval and never-touch pools are what the "
-                         "fresh documents must not duplicate")
+    elif cfg.fresh or cfg.validation:
+        raise SystemExit(f"data.{'fresh' if cfg.fresh else 'validation'} needs a split (data.split): its eval and "
+                         "never-touch pools are what the fresh documents must not duplicate")
     else:
         train = docs
         if held is None and not path.exists():
@@ -530,6 +548,17 @@ def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
     return out
 
 
+def world_figures(docs, eps) -> dict:
+    """The news world oracle's fact precision and hallucination rate of greedy episodes (eval.py's)."""
+    import data
+    import eval as evaluation
+
+    errors = [data.oracle_errors(d, e.summary) for d, e in zip(docs, eps)]
+    fig = evaluation.news_world_metrics(docs, eps, errors)
+    return {"eval_fact_precision": fig["fact_precision"], "eval_hallucination": mean(bool(e) for e in errors),
+            "eval_tool_auc": fig["tool_auc"]}
+
+
 def mean(xs) -> float:
     xs = [float(x) for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
@@ -631,10 +660,33 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         ts = sandbox.tool_stats(eps)
         out.update(eval_len=mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
                    eval_delete=ts["deletes_per_episode"], eval_valid=ts["valid_episode_rate"])
+        if all(getattr(d, "facts", None) for d in eval_docs):  # the news world: its oracle's figures too
+            out.update(world_figures(eval_docs, eps))
         run.metrics.write(step=step, **out)
         print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
+        if cfg.eval.keep_best and step > 0:
+            keep_if_best(out)
         return out
 
+    def keep_if_best(out: dict) -> None:
+        """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation."""
+        key = cfg.eval.keep_best
+        if key not in out:
+            raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
+        prev = json.loads(best_json.read_text()) if best_json.exists() else None
+        if prev is not None and prev["step"] >= step:  # a resumed run re-evaluating: keep what was kept
+            return
+        if prev is None or out[key] > prev["value"]:
+            with common.atomic_dir(run.dir / "best") as tmp:
+                common.save_pretrained(model, tmp)
+                tok.save_pretrained(tmp)
+            common.atomic_write_text(best_json, json.dumps({"metric": key, "value": out[key], "step": step}) + "\n")
+
+    best_json = run.dir / "best.json"
+    if cfg.eval.keep_best and not eval_docs:
+        raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
+    if cfg.eval.keep_best and step == 0 and best_json.exists():
+        best_json.unlink()  # a new run in an old directory: the old best is not a candidate
     history, last_eval = [], {}
     if step == 0 and eval_docs:
         last_eval = evaluate()
@@ -754,8 +806,13 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         last_eval = evaluate()
     final = run.dir / "final"
     with common.atomic_dir(final) as tmp:
-        common.save_pretrained(model, tmp)
-        tok.save_pretrained(tmp)
+        if cfg.eval.keep_best and best_json.exists():
+            best = json.loads(best_json.read_text())
+            shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
+            print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best evaluated)")
+        else:
+            common.save_pretrained(model, tmp)
+            tok.save_pretrained(tmp)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "

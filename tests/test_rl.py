@@ -1,6 +1,7 @@
 """Dr. GRPO: advantages and loss by hand, every generated token trained once,
 the guards (mask validation, non-finite values, sampler/trainer gap), exact
 resume after a kill, learning an easy reward, the configs and the VRAM plan."""
+import dataclasses
 import json
 import math
 import os
@@ -142,6 +143,23 @@ def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_he
         rl.load_documents(rl.DataConfig(train=str(docs_path), split="", fresh=10))
 
 
+def test_validation_documents_are_fresh_and_leave_the_eval_pool_alone(tmp_path):
+    docs = list(data.newsworld(200, seed=0))
+    manifest = data.make_split(docs, seed=0)
+    docs_path, split_path = tmp_path / "docs.jsonl", tmp_path / "split.json"
+    data.write_jsonl(str(docs_path), docs)
+    split_path.write_text(json.dumps(manifest))
+    held_pools = {e["id"] for p in ("eval", "never_touch") for e in manifest["pools"][p]}
+    cfg = rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=20, validation=30, validation_seed=0)
+    train, val, how = rl.load_documents(cfg)  # the split's own world: its held-out articles are skipped
+    assert 20 <= len(val) < 30 and not {d.id for d in val} & held_pools and "validation" in how
+    assert not {d.id for d in val} & {d.id for d in train}
+    with pytest.raises(SystemExit, match="would be training documents"):
+        rl.load_documents(dataclasses.replace(cfg, fresh_seed=0))
+    with pytest.raises(SystemExit, match="data.validation needs a split"):
+        rl.load_documents(rl.DataConfig(train=str(docs_path), split="", validation=10))
+
+
 def test_step_documents_walk_a_seeded_permutation_per_epoch():
     seen = [i for s in range(5) for i in rl.step_documents(10, 2, seed=3, step=s)]
     assert sorted(seen) == list(range(10))
@@ -256,6 +274,34 @@ def trainable(run_dir):
     from safetensors.torch import load_file
 
     return load_file(str(common.list_checkpoints(run_dir)[-1] / "trainable.safetensors"))
+
+
+def test_keep_best_makes_final_the_best_evaluated_step_not_the_last(policy, docs, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    totals = iter([0.9, 0.2, 0.7, 0.3, 0.1])  # steps 0 (never a candidate), 1, 2, 3, 4
+    real = rl.rewards.score_batch
+
+    def scripted(items, cfg, *a, **k):
+        t = next(totals)
+        return [{**s, "total": t} for s in real(items, cfg, *a, **k)]
+
+    monkeypatch.setattr(rl.rewards, "score_batch", scripted)
+    cfg = config(policy, docs, tmp_path, steps=4, save_every=1, keep_checkpoints=10)
+    cfg.data.eval = docs
+    cfg.eval = rl.EvalConfig(every=1, n_docs=2, sample_every=0, keep_best="eval_total")
+    rl.main(cfg, reward_fn=mention_reward)
+    run = tmp_path / "t"
+    assert json.loads((run / "best.json").read_text()) == {"metric": "eval_total", "value": 0.7, "step": 2}
+    final = load_file(str(run / "final" / "model.safetensors"))
+    at = {s: load_file(str(run / "checkpoints" / f"step_{s:08d}" / "trainable.safetensors")) for s in (2, 4)}
+    name = next(k for k in at[2] if k.endswith("q_proj.weight"))
+    key = next(k for k in final if k.endswith(name.split("model.", 1)[-1]))
+    assert torch.equal(final[key], at[2][name]) and not torch.equal(final[key], at[4][name])
+    cfg.eval.keep_best = "eval_nonsense"
+    totals = iter([0.5] * 10)
+    with pytest.raises(SystemExit, match="not an eval metric"):
+        rl.main(dataclasses.replace(cfg, name="u"), reward_fn=mention_reward)
 
 
 def test_resume_after_a_kill_ends_where_an_uninterrupted_run_ends(policy, docs, tmp_path):
