@@ -139,8 +139,10 @@ def test_features_are_the_support_score_and_missing_words():
     f = FC.features(DOC, s)
     assert f[0] == R.support_factuality(DOC, s)
     assert f[1] == 2.0  # "5.1", "texas"
-    assert FC.features(DOC, "Granite Group reported revenue of $4.2 billion on Tuesday.") == [1.0, 0.0]
-    assert FC.features(DOC, "") == [0.0, 0.0]
+    assert FC.features(DOC, "Granite Group reported revenue of $4.2 billion on Tuesday.") == [1.0, 0.0, 1.0]
+    assert FC.features(DOC, "") == [0.0, 0.0, 0.0]
+    fused = FC.features(DOC, "Jane Doe said shares rose 12%.")  # from two adjacent sentences
+    assert fused[:2] == [1.0, 0.0] and fused[2] < 1.0
     assert len(FC.features(DOC, s)) == len(FC.FEATURES)
 
 
