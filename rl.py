@@ -548,13 +548,13 @@ def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
     return out
 
 
-def world_figures(docs, eps) -> dict:
+def world_figures(docs, eps, limits: dict | None = None) -> dict:
     """The news world oracle's fact precision and hallucination rate of greedy episodes (eval.py's)."""
     import data
     import eval as evaluation
 
     errors = [data.oracle_errors(d, e.summary) for d, e in zip(docs, eps)]
-    fig = evaluation.news_world_metrics(docs, eps, errors)
+    fig = evaluation.news_world_metrics(docs, eps, errors, limits)
     return {"eval_fact_precision": fig["fact_precision"], "eval_hallucination": mean(bool(e) for e in errors),
             "eval_tool_auc": fig["tool_auc"]}
 
@@ -661,7 +661,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         out.update(eval_len=mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
                    eval_delete=ts["deletes_per_episode"], eval_valid=ts["valid_episode_rate"])
         if all(getattr(d, "facts", None) for d in eval_docs):  # the news world: its oracle's figures too
-            out.update(world_figures(eval_docs, eps))
+            out.update(world_figures(eval_docs, eps, cfg.limits))
         run.metrics.write(step=step, **out)
         print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
         if cfg.eval.keep_best and step > 0:
@@ -674,7 +674,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         if key not in out:
             raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
         prev = json.loads(best_json.read_text()) if best_json.exists() else None
-        if prev is not None and prev["step"] >= step:  # a resumed run re-evaluating: keep what was kept
+        # NaN is no candidate; a resumed run re-evaluating a step keeps what was kept
+        if not math.isfinite(out[key]) or (prev is not None and prev["step"] >= step):
             return
         if prev is None or out[key] > prev["value"]:
             with common.atomic_dir(run.dir / "best") as tmp:
