@@ -123,12 +123,18 @@ def test_toolmatch_is_counted_once_and_its_credit_lands_on_the_call_tag_only():
         rl.token_advantages(eps, adv)
 
 
-def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_held_out_cluster(tmp_path):
+def split_world(tmp_path):
+    """200 news-world documents and their split, written to tmp_path: (docs, manifest, docs path, split path)."""
     docs = list(data.newsworld(200, seed=0))
     manifest = data.make_split(docs, seed=0)
     docs_path, split_path = tmp_path / "docs.jsonl", tmp_path / "split.json"
     data.write_jsonl(str(docs_path), docs)
     split_path.write_text(json.dumps(manifest))
+    return docs, manifest, docs_path, split_path
+
+
+def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_held_out_cluster(tmp_path):
+    docs, manifest, docs_path, split_path = split_world(tmp_path)
     pool = {p: {e["id"] for e in manifest["pools"][p]} for p in data.POOLS}
     cfg = rl.DataConfig(train=str(docs_path), split=str(split_path))
     train, held, _ = rl.load_documents(cfg)
@@ -144,11 +150,7 @@ def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_he
 
 
 def test_validation_documents_are_fresh_and_leave_the_eval_pool_alone(tmp_path):
-    docs = list(data.newsworld(200, seed=0))
-    manifest = data.make_split(docs, seed=0)
-    docs_path, split_path = tmp_path / "docs.jsonl", tmp_path / "split.json"
-    data.write_jsonl(str(docs_path), docs)
-    split_path.write_text(json.dumps(manifest))
+    _, manifest, docs_path, split_path = split_world(tmp_path)
     held_pools = {e["id"] for p in ("eval", "never_touch") for e in manifest["pools"][p]}
     cfg = rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=20, validation=30, validation_seed=0)
     train, val, how = rl.load_documents(cfg)  # the split's own world: its held-out articles are skipped
