@@ -664,24 +664,28 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             out.update(world_figures(eval_docs, eps, cfg.limits))
         run.metrics.write(step=step, **out)
         print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
-        if cfg.eval.keep_best and step > 0:
+        if cfg.eval.keep_best:
             keep_if_best(out)
         return out
 
     def keep_if_best(out: dict) -> None:
-        """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation."""
+        """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation
+        (the key is checked at step 0, which is never a candidate)."""
         key = cfg.eval.keep_best
         if key not in out:
             raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
         prev = json.loads(best_json.read_text()) if best_json.exists() else None
         # NaN is no candidate; a resumed run re-evaluating a step keeps what was kept
-        if not math.isfinite(out[key]) or (prev is not None and prev["step"] >= step):
+        if step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= step):
             return
         if prev is None or out[key] > prev["value"]:
-            with common.atomic_dir(run.dir / "best") as tmp:
-                common.save_pretrained(model, tmp)
-                tok.save_pretrained(tmp)
+            save_model(run.dir / "best")
             common.atomic_write_text(best_json, json.dumps({"metric": key, "value": out[key], "step": step}) + "\n")
+
+    def save_model(path: Path) -> None:
+        with common.atomic_dir(path) as tmp:
+            common.save_pretrained(model, tmp)
+            tok.save_pretrained(tmp)
 
     best_json = run.dir / "best.json"
     if cfg.eval.keep_best and not eval_docs:
@@ -806,14 +810,13 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     if eval_docs:
         last_eval = evaluate()
     final = run.dir / "final"
-    with common.atomic_dir(final) as tmp:
-        if cfg.eval.keep_best and best_json.exists():
-            best = json.loads(best_json.read_text())
+    if cfg.eval.keep_best and best_json.exists():
+        best = json.loads(best_json.read_text())
+        with common.atomic_dir(final) as tmp:
             shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
-            print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best evaluated)")
-        else:
-            common.save_pretrained(model, tmp)
-            tok.save_pretrained(tmp)
+        print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best evaluated)")
+    else:
+        save_model(final)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
