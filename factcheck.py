@@ -175,28 +175,29 @@ def cross_validate(rows: list[tuple], news: list[tuple], k: int = 5, seeds=(0, 1
     on the other folds plus `news` (the news-world rows), and each scorer's threshold is tuned
     on the other folds of the same source, as bench/factuality.py tunes it on dev."""
     bench = _bench("factuality")
-    out = {}
-    for source in dict.fromkeys(r[0] for r in rows):
-        figures = {"support": [], "learned": []}
-        docs = sorted({r[1] for r in rows})
-        for seed in seeds:
-            random.Random(seed).shuffle(docs)
-            fold = {d: i % k for i, d in enumerate(docs)}
-            for i in range(k):
-                train = [r for r in rows if fold[r[1]] != i]
-                model = fit([r[2] for r in train] + [n[0] for n in news], [r[3] for r in train] + [n[1] for n in news])
+    sources = list(dict.fromkeys(r[0] for r in rows))
+    figures = {source: {"support": [], "learned": []} for source in sources}
+    docs = sorted({r[1] for r in rows})
+    for seed in seeds:
+        random.Random(seed).shuffle(docs)
+        fold = {d: i % k for i, d in enumerate(docs)}
+        for i in range(k):
+            train = [r for r in rows if fold[r[1]] != i]
+            model = fit([r[2] for r in train] + [n[0] for n in news], [r[3] for r in train] + [n[1] for n in news])
+            scorers = (("support", lambda rs: np.array([r[2][0] for r in rs])),
+                       ("learned", lambda rs: model.predict([r[2] for r in rs])))
+            for source in sources:
                 fit_rows = [r for r in train if r[0] == source]
                 test = [r for r in rows if fold[r[1]] == i and r[0] == source]
                 if not test or not fit_rows:
                     continue
-                for name, f in (("support", lambda rs: np.array([r[2][0] for r in rs])),
-                                ("learned", lambda rs: model.predict([r[2] for r in rs]))):
+                for name, f in scorers:
                     t = bench.tune_threshold(f(fit_rows), np.array([r[4] for r in fit_rows]))
                     s = f(test)
-                    figures[name].append((bench.balanced_accuracy(np.array([r[4] for r in test]), s >= t),
-                                          bench.kendall_tau(s, np.array([r[3] for r in test]))))
-        out[source] = {name: tuple(float(np.nanmean(col)) for col in zip(*v)) for name, v in figures.items() if v}
-    return out
+                    figures[source][name].append((bench.balanced_accuracy(np.array([r[4] for r in test]), s >= t),
+                                                  bench.kendall_tau(s, np.array([r[3] for r in test]))))
+    return {source: {name: tuple(float(np.nanmean(col)) for col in zip(*v)) for name, v in by.items() if v}
+            for source, by in figures.items()}
 
 
 def _bench(name: str):
