@@ -145,6 +145,12 @@ class Config:
     # the errors included: then the policy learns to write them (63% of the news-world
     # corpus's final sentences are corrections).
     mask_retracted: bool = True
+    # Evidence-copy weight: the ids of the sentence written in place of a deleted one (the
+    # turn right after a delete, to the end of its first sentence: in the news-world traces
+    # a copy of the search result) count this many times in the loss. A from-scratch tiny
+    # model copies the result's words but keeps its own values at 1; real models need no
+    # help (1.0 is plain SFT).
+    rewrite_weight: float = 1.0
     # tree: an episode's branches in one sequence with a 4D mask (sdpa/eager attention);
     # branch: each branch its own sequence (any attention implementation, e.g. Unsloth's)
     score_method: Literal["tree", "branch"] = "tree"
@@ -161,6 +167,8 @@ class Config:
 
     def __post_init__(self):
         common.check_score_method(self.model.backend, self.score_method)
+        if not self.rewrite_weight >= 0:
+            raise common.ConfigError(f"rewrite_weight={self.rewrite_weight}: must be >= 0 (1 is plain SFT)")
 
 
 # ---------------------------------------------------------------------------
@@ -180,23 +188,51 @@ def n_generated(ep: sandbox.Episode, mask_retracted: bool = False) -> int:
     return sum(len(t.ids) - (len(t.masked or ()) if mask_retracted else 0) for t in ep.turns)
 
 
+def rewrite_lengths(ep: sandbox.Episode, tokenizer) -> list[int]:
+    """Per turn, how many of its leading ids write the sentence that replaces a
+    deleted one: in the turn right after a successful delete, the ids up to and
+    including the one that ends its first sentence; 0 in every other turn."""
+    out = []
+    prev = None
+    for t in ep.turns:
+        n = 0
+        if prev is not None and prev.call is not None and prev.call.kind == "delete" and prev.call.deleted and t.ids:
+            body = t.text[:t.call.start] if t.call is not None else t.text
+            first = sandbox.split_sentences(body)
+            if first:
+                end = body.find(first[0]) + len(first[0])
+                while n < len(t.ids) and len(tokenizer.decode(t.ids[:n])) < end:
+                    n += 1
+        out.append(n)
+        prev = t
+    return out
+
+
 def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384, mask_retracted: bool = False,
-                  method: str = "tree") -> torch.Tensor:
+                  method: str = "tree", rewrite_weight: float = 1.0, tokenizer=None) -> torch.Tensor:
     """Sum of -log p over every generated token of `episodes`, divided by
     `n_tokens` (the step's token count, so micro-batches add up to a mean).
     With `mask_retracted`, ids holding text a later delete retracted
     (`Turn.masked`) are left out: error-masked SFT, where the wrong sentence
-    before a search and delete is context, not a target."""
+    before a search and delete is context, not a target. With `rewrite_weight`
+    w != 1 (needs the `tokenizer`), the ids of each sentence written in place of
+    a deleted one (`rewrite_lengths`) count w times; the divisor stays `n_tokens`,
+    so every other id's gradient is unchanged."""
+    if rewrite_weight != 1.0 and tokenizer is None:
+        raise ValueError("rewrite_weight needs the tokenizer (to find the rewritten sentence's ids)")
     lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
     total = 0.0
     for ep, per_turn in zip(episodes, lps):
-        for t, lp in zip(ep.turns, per_turn):
+        lens = rewrite_lengths(ep, tokenizer) if rewrite_weight != 1.0 else [0] * len(ep.turns)
+        for t, lp, n_rw in zip(ep.turns, per_turn, lens):
             if lp is None or not lp.numel():
                 continue
-            if mask_retracted and t.masked:
-                keep = torch.ones_like(lp)
-                keep[t.masked] = 0.0
-                lp = lp * keep
+            if (mask_retracted and t.masked) or n_rw:
+                w = torch.ones_like(lp)
+                w[:n_rw] = rewrite_weight
+                if mask_retracted and t.masked:
+                    w[t.masked] = 0.0
+                lp = lp * w
             total = total + lp.sum()
     return -total / max(1, n_tokens)
 
@@ -609,7 +645,8 @@ def main(cfg: Config) -> dict:
                 if cfg.mode == "kto":
                     loss = kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches))
                 else:
-                    loss = sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method)
+                    loss = sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method,
+                                         cfg.rewrite_weight, tok)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: loss is {loss.item()} (episodes {[e.doc_id for e in b][:4]})")
             loss.backward()

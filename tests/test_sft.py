@@ -101,6 +101,29 @@ def test_error_masking_off_trains_every_generated_id_as_before(tiny):
     assert "Zanzibar" in trained  # without masking the error is a target
 
 
+def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(tiny):
+    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    text = (f"{WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%. Globex fell 3% in May."
+            "<search>/Globex/</search> Globex fell.")
+    ep = S.replay(MASK_DOC, text).tokenized(tok)
+    lens = sft.rewrite_lengths(ep, tok)
+    # only the turn after the delete has a rewrite, and its ids are exactly the rewritten sentence
+    (k, n), = [(k, n) for k, n in enumerate(lens) if n]
+    assert ep.turns[k - 1].call.kind == "delete"
+    assert tok.decode(ep.turns[k].ids[:n]).strip() == "Acme rose 5%."
+    base = sft.n_generated(ep, mask_retracted=True)
+    plain = sft.sequence_loss(model, [ep], base, mask_retracted=True)
+    assert torch.equal(plain, sft.sequence_loss(model, [ep], base, mask_retracted=True, rewrite_weight=1.0, tokenizer=tok))
+    # by hand: the rewrite's ids once more per extra weight, every other trained id as before
+    lp = sft.rollout.episode_logprobs(model, [ep])[0][k][:n]
+    got = sft.sequence_loss(model, [ep], base, mask_retracted=True, rewrite_weight=4.0, tokenizer=tok)
+    assert torch.allclose(got, plain - 3.0 * lp.sum() / base, atol=1e-5)
+    with pytest.raises(ValueError, match="tokenizer"):
+        sft.sequence_loss(model, [ep], base, rewrite_weight=2.0)
+    with pytest.raises(common.ConfigError, match="rewrite_weight"):
+        sft.Config(rewrite_weight=-1.0)
+
+
 def test_a_plain_mask_check_rejects_a_masked_branch_without_masked_ids(tiny):
     tok = common.load_tokenizer(tiny)
     ep = S.replay(MASK_DOC, "Acme rose 5%.<search>/Acme/</search> Globex fell 3% in May.").tokenized(tok)
