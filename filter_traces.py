@@ -226,6 +226,22 @@ def shape(ep: sandbox.Episode) -> str:
     return "".join("S" if c.kind == "search" else "D" for c in ep.calls) or "-"
 
 
+def check_balance(eps: Sequence[sandbox.Episode]) -> dict:
+    """The corpus's checks: searches, those a delete follows at once (corrections)
+    and those the summary goes on after (search-only: the claim held), and the
+    search-only share. A policy learns when not to delete from the second kind."""
+    searches = corrections = 0
+    for ep in eps:
+        for t, nxt in zip(ep.turns, ep.turns[1:] + [None]):
+            if t.call is None or t.call.kind != "search":
+                continue
+            searches += 1
+            corrections += bool(nxt is not None and nxt.call is not None and nxt.call.kind == "delete"
+                                and not nxt.text[:nxt.call.start].strip())
+    return {"searches": searches, "corrections": corrections, "search_only": searches - corrections,
+            "search_only_share": round((searches - corrections) / searches, 4) if searches else 0.0}
+
+
 def signals(ep: sandbox.Episode) -> dict:
     steps, _ = correction_steps(ep)
     calls = [(c.kind, c.arg) for c in ep.calls]
@@ -591,16 +607,19 @@ def main(cfg: Config) -> dict:
 
     secs = time.perf_counter() - t0
     kinds = Counter(ep.meta.get("trace_kind", "?") for ep in corpus)
+    balance = check_balance(corpus)
     report = {"input": funnel.n, "gates": funnel.rows, "train": len(split["train"]), "eval": len(split["eval"]),
               "withheld_never_touch": len(split["never_touch"]), "kinds": dict(kinds),
-              "factuality_backend": rewards.BACKEND_NAMES[cfg.factuality],
+              "checks": balance, "factuality_backend": rewards.BACKEND_NAMES[cfg.factuality],
               "relevance_min": cfg.relevance_min, "gain_min": cfg.gain_min, "noise": noise,
               "manifest": cfg.split.manifest_path, "seconds": round(secs, 2),
               "traces_per_s": round(funnel.n / max(secs, 1e-9), 1)}
     common.atomic_write_text(os.path.join(cfg.out_dir, "funnel.json"), json.dumps(report, indent=1) + "\n")
     print(funnel.table())
     line = (f"filter: {funnel.n} traces -> train {len(split['train'])}, eval {len(split['eval'])}, withheld "
-            f"{len(split['never_touch'])} | kinds {dict(kinds)} | re-truncated results {changed}")
+            f"{len(split['never_touch'])} | kinds {dict(kinds)} | checks {balance['searches']}: "
+            f"{balance['corrections']} corrections, {balance['search_only']} search-only "
+            f"({balance['search_only_share']:.0%}) | re-truncated results {changed}")
     if noise:
         line += (f" | oracle noise {noise['spot_check_rate']:.1%} of {noise['spot_check_n']} sampled, "
                  f"{noise['corpus_rate']:.1%} of the corpus")

@@ -107,6 +107,16 @@ def test_uncorrected_draft_without_meta_undoes_the_deletes():
     assert ft.uncorrected_draft(ep) == "A one. B three."
 
 
+def test_check_balance_counts_corrections_and_search_only_checks():
+    doc = "Acme rose 5%. Globex fell 3%."
+    fixed = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.')
+    held = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.<search>Acme</search>"
+                         '<delete scope="sentence"/> Acme rose 5%.')
+    assert ft.check_balance([fixed, held]) == {"searches": 3, "corrections": 2, "search_only": 1,
+                                               "search_only_share": round(1 / 3, 4)}
+    assert ft.check_balance([])["search_only_share"] == 0.0
+
+
 def test_results_are_refitted_to_the_policy_budget_never_dropped():
     long = " ".join(f"word{i}" for i in range(120)) + "."
     doc = f"Acme grew fast. {long} Acme hired staff."
@@ -206,6 +216,7 @@ def test_end_to_end_on_200_news_world_documents(tmp_path):
     assert report["noise"]["corpus_rate"] <= 0.05 and report["factuality_backend"].startswith("oracle")
     saved = json.loads((tmp_path / "corpus" / "funnel.json").read_text())
     assert saved["gates"] == rows and saved["train"] == report["train"]
+    assert saved["checks"]["searches"] == saved["checks"]["corrections"] + saved["checks"]["search_only"] > 0
 
     manifest = json.loads((tmp_path / "split.json").read_text())
     pools = ft.pool_of(manifest)
