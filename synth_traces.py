@@ -24,7 +24,7 @@ For each document, `drafter.drafts_per_doc` traces:
    in a rollout); its continuation is fact-checked in turn, up to
    `drafter.max_rounds` corrections. The news world drafter's continuation is
    the rest of its draft, whose later errors are corrected the same way.
-Plus search-only positives: after `search_rate` (0.25) of the correct
+Plus search-only positives: after `search_rate` (0.25; 1.0 in the news-world configs) of the correct
 sentences, a search whose top result is the sentence's support, and no delete,
 so the model also learns restraint. Optionally a judge (the SN15 paper's
 reasoning judge) scores each trace, citing spans; the filter gates on it.
