@@ -703,4 +703,6 @@ def _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample: bool) 
 
 
 if __name__ == "__main__":
-    main(common.load_config(Config))
+    with common.config_errors_exit():
+        _cfg = common.load_config(Config)
+    main(_cfg)

@@ -2,6 +2,9 @@
 learns the tool syntax, and exact resume."""
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ import common
 import sandbox as S
 import sft
 from helpers import killed_after_checkpoint, newsworld_traces
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +127,13 @@ def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(t
         sft.sequence_loss(model, [ep], base, rewrite_weight=2.0)
     with pytest.raises(common.ConfigError, match="rewrite_weight"):
         sft.Config(rewrite_weight=-1.0)
+
+
+def test_the_cli_reports_a_config_error_in_one_line():
+    for args, says in ((["--config", "nope.yaml"], "error: cannot read config file nope.yaml"),
+                       (["--config", "configs/sft_tiny.yaml", "rewrite_weight=-1"], "error: rewrite_weight=-1.0")):
+        out = subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_plain_mask_check_rejects_a_masked_branch_without_masked_ids(tiny):
