@@ -201,7 +201,9 @@ def cross_validate(rows: list[tuple], news: list[tuple], k: int = 5, seeds=(0, 1
 
 
 def _bench(name: str):
-    sys.path.append(str(Path(__file__).parent / "bench"))  # appended: bench/ must not shadow the modules
+    bench = str(Path(__file__).parent / "bench")
+    if bench not in sys.path:
+        sys.path.append(bench)  # appended: bench/ must not shadow the modules
     return __import__(name)
 
 
