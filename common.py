@@ -13,7 +13,8 @@ OmegaConf merges silently add a typo'd key unless struct mode is on, never say
 "did you mean", and add a dependency (Hydra more so). The section below (under
 300 lines) does exactly what DESIGN section 7 asks: defaults < `--config FILE.yaml` <
 `key.sub=value`, and every unknown key or wrong type is an error naming the key,
-where it came from and the nearest valid key.
+where it came from and the nearest valid key. A config file may start from another
+(`extends: tiny.yaml`) and set only what differs.
 
 torch, transformers and peft are imported only inside the functions that use
 them, so importing the config loader stays fast (tests, `--help`, the memory
@@ -360,6 +361,40 @@ def _usage(cls: type, flags: tuple[str, ...], prefix: str = "", base: Any = None
     return "\n".join(lines)
 
 
+def _read_config_file(cls: type, path: str, flat: dict, chain: tuple[str, ...]) -> None:
+    """Flatten one YAML file into `flat`, after the file its `extends:` names (if any).
+
+    `extends: base.yaml` (a path beside the file) makes the file a delta: the base's
+    keys first, then this file's on top, leaf by leaf. A dict-valued key (`limits`,
+    `reward.rules.weights`) is merged entry by entry, as `limits.top_k=1` on the
+    command line is: the file's entries replace the base's, the others stay.
+    """
+    try:
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except OSError as e:
+        via = f" (extended by {chain[-1]})" if chain else ""
+        raise ConfigError(f"cannot read config file {path}{via}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    data = {} if data is None else data
+    if isinstance(data, dict) and "extends" in data:
+        data = dict(data)
+        base = data.pop("extends")
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"key 'extends' (from {path}) must be a config file name, got {base!r}")
+        base_path = os.path.normpath(Path(path).parent / base)
+        seen = [os.path.realpath(p) for p in (*chain, path)]
+        if os.path.realpath(base_path) in seen:
+            raise ConfigError(f"config files extend each other in a cycle: "
+                              f"{' -> '.join((*chain, path, base_path))}")
+        _read_config_file(cls, base_path, flat, (*chain, path))
+    own: dict[str, Any] = {}
+    _flatten_yaml(cls, data, "", path, own, cls)
+    for key, value in own.items():
+        old = flat.get(key)
+        flat[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+
+
 def parse_args(cls: type, argv: list[str] | None = None,
                flags: tuple[str, ...] = ()) -> tuple[Any, set[str]]:
     """Parse `[--config FILE] [key.sub=value ...] [FLAG ...]` into (cfg, flags present).
@@ -393,13 +428,7 @@ def parse_args(cls: type, argv: list[str] | None = None,
 
     flat: dict[str, Any] = {}
     if config_file is not None:
-        try:
-            data = yaml.load(Path(config_file).read_text(encoding="utf-8"), Loader=_StrictLoader)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {config_file}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
-        _flatten_yaml(cls, {} if data is None else data, "", config_file, flat, cls)
+        _read_config_file(cls, config_file, flat, ())
     for key, raw in overrides:
         _set_cli(cls, key, raw, flat)
     return _build(cls, flat), present

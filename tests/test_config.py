@@ -113,6 +113,42 @@ def test_precedence(tmp_path, yaml_text, cli, expected):
     assert load(tmp_path, yaml_text, cli).steps == expected
 
 
+# --- extends: a config file built on another ----------------------------------------
+
+
+def test_extends_takes_the_base_and_changes_only_what_the_file_sets(tmp_path):
+    yaml_file(tmp_path, "steps: 20\nseed: 3\nlora:\n  rank: 4\n  alpha: 2\nweights: {a: 1, b: 2}\n", "base.yaml")
+    cfg = load(tmp_path, "extends: base.yaml\nsteps: 30\nlora:\n  alpha: 8\nweights: {c: 3}\n")
+    assert (cfg.steps, cfg.seed, cfg.lora.rank, cfg.lora.alpha) == (30, 3, 4, 8.0)
+    assert cfg.weights == {"a": 1.0, "b": 2.0, "c": 3.0}  # a dict-valued key merges, as `weights.c=3` does
+    # the command line still beats both files
+    assert load(tmp_path, "extends: base.yaml\nsteps: 30\n", ["steps=40", "seed=5"]).steps == 40
+
+
+def test_extends_chains_and_resolves_each_path_beside_its_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    yaml_file(tmp_path / "a", "steps: 1\nseed: 1\nname: root\n", "root.yaml")
+    yaml_file(tmp_path / "b", "extends: ../a/root.yaml\nseed: 2\n", "mid.yaml")
+    cfg = load(tmp_path, "extends: b/mid.yaml\nname: leaf\n")
+    assert (cfg.steps, cfg.seed, cfg.name) == (1, 2, "leaf")
+
+
+@pytest.mark.parametrize("files, needles", [
+    ({"cfg.yaml": "extends: missing.yaml\n"}, ["missing.yaml", "cfg.yaml", "extends"]),
+    ({"cfg.yaml": "extends: other.yaml\n", "other.yaml": "extends: cfg.yaml\n"}, ["cycle", "other.yaml"]),
+    ({"cfg.yaml": "extends: [a.yaml]\n"}, ["extends", "cfg.yaml", "file name"]),
+    ({"cfg.yaml": "extends: base.yaml\n", "base.yaml": "stpes: 3\n"}, ["stpes", "base.yaml", "steps"]),
+])
+def test_extends_errors_name_the_file(tmp_path, files, needles):
+    for name, text in files.items():
+        yaml_file(tmp_path, text, name)
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, ["--config", str(tmp_path / "cfg.yaml")])
+    for needle in needles:
+        assert needle in str(e.value)
+
+
 def test_cli_beats_yaml_in_nested_group(tmp_path):
     cfg = load(tmp_path, "lora:\n  rank: 4\n  alpha: 2\n", ["lora.rank=64"])
     assert (cfg.lora.rank, cfg.lora.alpha) == (64, 2.0)

@@ -538,15 +538,20 @@ def load(name, *over):
     return common.load_config(rl.Config, ["--config", str(ROOT / "configs" / name), *over])
 
 
-@pytest.mark.parametrize("name, key, value", [
-    ("ablation_no_delete.yaml", "limits.max_deletes", 0),
-    ("ablation_no_search.yaml", "limits.max_searches", 0),
-    ("ablation_no_budget.yaml", "reward.tools.budget_per_call", 0.0),
+@pytest.mark.parametrize("name, change", [
+    ("ablation_no_delete.yaml", {"limits.max_deletes": 0}),
+    ("ablation_no_search.yaml", {"limits.max_searches": 0}),
+    ("ablation_no_budget.yaml", {"reward.tools.budget_per_call": 0.0}),
+    ("ablation_rules_only.yaml", {"reward.w_factuality": 0.0, "reward.w_rules": 1.0}),
 ])
-def test_each_ablation_changes_one_key_of_the_tiny_config(name, key, value):
+def test_each_ablation_is_the_tiny_config_plus_its_stated_change(name, change):
     base, abl = flat_keys(common.config_to_dict(load("tiny.yaml"))), flat_keys(common.config_to_dict(load(name)))
     diff = {k for k in base.keys() | abl.keys() if base.get(k, "missing") != abl.get(k, "missing")}
-    assert diff == {"name", key} and abl[key] == value
+    assert diff == {"name", *change} and {k: abl[k] for k in change} == change
+    # a delta, not a copy: the file extends tiny.yaml and sets only the run name and the change
+    text = (ROOT / "configs" / name).read_text()
+    assert "extends: tiny.yaml" in text
+    assert sum(1 for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")) <= 8
 
 
 def test_v17_v18_v19_step_by_step():
