@@ -495,20 +495,31 @@ def format_step(step: int, total: int | None, fields: dict[str, Any], seconds: f
     return " | ".join([head, *(f"{k} {_fmt(v)}" for k, v in fields.items()), f"{seconds:.1f}s"])
 
 
-def _jsonable(v: Any) -> Any:
-    """NaN and +-inf become the strings "nan", "inf", "-inf": strict JSON has no
-    such numbers, and null would hide a diverged loss. read_metrics turns them back."""
+def jsonable(v: Any, nonfinite: Literal["string", "null"] = "string") -> Any:
+    """`v` as strict JSON values: numpy scalars and arrays become Python ones, keys strings.
+
+    Strict JSON has no NaN or +-inf. In metrics lines (`nonfinite="string"`) they become
+    "nan", "inf", "-inf", which read_metrics turns back: null would hide a diverged loss.
+    Reports (eval.json, distill.json) use `nonfinite="null"`: a figure that could not be
+    measured (no searches, so no search rate) is missing, as every JSON reader expects.
+    """
     if isinstance(v, np.ndarray):
         v = v.tolist()
     elif isinstance(v, np.generic):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
+        return str(v) if nonfinite == "string" else None
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x, nonfinite) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x, nonfinite) for x in v]
     return v
+
+
+def mean(xs) -> float:
+    """The mean of what was measured: None and NaN entries are skipped; NaN if none is left."""
+    xs = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.mean(xs)) if xs else math.nan
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -526,7 +537,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, **fields: Any) -> None:
-        line = json.dumps(_jsonable({"step": step, **fields}), allow_nan=False)
+        line = json.dumps(jsonable({"step": step, **fields}), allow_nan=False)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()

@@ -493,8 +493,8 @@ def main(cfg: Config) -> dict:
         print(f"speedup {report['speedup_p50']:.2f}x at p50 ({report['speedup_p95']:.2f}x at p95), factuality "
               f"{report['factuality_delta_points']:+.1f} points ({report['factuality_backend']}) on "
               f"{len(eval_docs)} held-out documents; the target is >= 3x and within 2 points")
-    common.atomic_write_text(run.dir / "distill.json", json.dumps(evaluation._jsonable(report), indent=1,
-                                                                   allow_nan=False) + "\n")
+    common.atomic_write_text(run.dir / "distill.json", json.dumps(common.jsonable(report, nonfinite="null"),
+                                                                   indent=1, allow_nan=False) + "\n")
     return report
 
 

@@ -242,14 +242,14 @@ def tool_decision(events: Sequence[dict]) -> dict[str, float]:
             if e["deleted"] and e["found"] and e.get("rewrite_wrong") is not None]
     return {
         "tool_auc": auc([score(e) for e in wrong], [score(e) for e in right]),
-        "search_after_wrong": _mean(e["searched"] for e in wrong),
-        "search_after_right": _mean(e["searched"] for e in right),
-        "delete_after_wrong": _mean(e["deleted"] for e in wrong),
-        "delete_after_right": _mean(e["deleted"] for e in right),
-        "search_found_fact": _mean(e["found"] for e in events if e["found"] is not None),
-        "evidence_use": _mean(used),
+        "search_after_wrong": common.mean(e["searched"] for e in wrong),
+        "search_after_right": common.mean(e["searched"] for e in right),
+        "delete_after_wrong": common.mean(e["deleted"] for e in wrong),
+        "delete_after_right": common.mean(e["deleted"] for e in right),
+        "search_found_fact": common.mean(e["found"] for e in events if e["found"] is not None),
+        "evidence_use": common.mean(used),
         "sentences_written": float(len(events)),
-        "wrong_written": _mean(e["wrong"] for e in events),
+        "wrong_written": common.mean(e["wrong"] for e in events),
     }
 
 
@@ -261,13 +261,13 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
     import data
 
     stated = [data.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
-    out = {"fact_precision": _mean(f["supported"] for fs in stated for f in fs),
-           "facts_stated": _mean(len(fs) for fs in stated)}
+    out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
+           "facts_stated": common.mean(len(fs) for fs in stated)}
     out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))
     for fam in sorted({d.bucket for d in docs}):
         idx = [i for i, d in enumerate(docs) if d.bucket == fam]
-        out[f"fam_{fam}_fact_precision"] = _mean(f["supported"] for i in idx for f in stated[i])
-        out[f"fam_{fam}_hallucination"] = _mean(bool(errors[i]) for i in idx)
+        out[f"fam_{fam}_fact_precision"] = common.mean(f["supported"] for i in idx for f in stated[i])
+        out[f"fam_{fam}_hallucination"] = common.mean(bool(errors[i]) for i in idx)
     return out
 
 
@@ -330,11 +330,6 @@ def tool_processor(tokenizer, tools: str) -> TagBan | None:
     return TagBan(tokenizer, TOOLS_BANNED[tools]) if TOOLS_BANNED[tools] else None
 
 
-def _mean(xs) -> float:
-    xs = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return float(np.mean(xs)) if xs else math.nan
-
-
 # ---------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------
@@ -372,18 +367,18 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     pairs = [(e.summary, d.summary) for d, e in zip(docs, eps) if getattr(d, "summary", "")]
     out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
     for k in ("factuality", "pass", "total", "rules", "rules_pass"):
-        out[k] = _mean(float(s[k]) for s in scores)
+        out[k] = common.mean(float(s[k]) for s in scores)
     for k in scores[0]:
         if k.startswith("rule_") and k.endswith("_pass"):
-            out[k] = _mean(float(s[k]) for s in scores)
+            out[k] = common.mean(float(s[k]) for s in scores)
     counts, errors = error_counts(docs, [e.summary for e in eps], scores, cfg)
-    out["hallucination_rate"] = _mean(c > 0 for c in counts)
-    out["errors_per_summary"] = _mean(counts)
+    out["hallucination_rate"] = common.mean(c > 0 for c in counts)
+    out["errors_per_summary"] = common.mean(counts)
     ts = sandbox.tool_stats(eps)
     out.update(valid_call_rate=ts["valid_call_rate"], valid_episode_rate=ts["valid_episode_rate"],
                searches=ts["searches_per_episode"], deletes=ts["deletes_per_episode"])
     hits = [h for d, e in zip(docs, eps) for h in deleted_errors(d, e, cfg.limits)] if news else []
-    out["deletes_removing_error"] = _mean(hits)
+    out["deletes_removing_error"] = common.mean(hits)
     if news:
         out.update(news_world_metrics(docs, eps, errors, cfg.limits))
     out["tau"] = float(scores[0]["tau"])
@@ -397,8 +392,8 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
     passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))]
     for k in KS:
-        out[f"pass_at_{k}"] = _mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
-    out["pass_sampled"] = _mean(float(s["pass"]) for s in s_scores)
+        out[f"pass_at_{k}"] = common.mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
+    out["pass_sampled"] = common.mean(float(s["pass"]) for s in s_scores)
 
     # -- latency at batch 1 -----------------------------------------------------
     one = dataclasses.replace(greedy, batch_size=1)
@@ -597,16 +592,6 @@ def write_samples(run_dir, kept: dict[str, list], n: int) -> None:
     common.atomic_write_text(Path(run_dir) / "samples.html", filter_traces.render_html(samples, "eval samples"))
 
 
-def _jsonable(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return v
-
-
 def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv without `--compare DIR ...`, the directories): the config loader takes
     bare flags only, so the directories after --compare are taken out first."""
@@ -652,12 +637,12 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
                                                                      "latency_p50_ms") if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")
     curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
-    common.atomic_write_text(run.dir / "eval.json", json.dumps(_jsonable({
+    common.atomic_write_text(run.dir / "eval.json", json.dumps(common.jsonable({
         "config": common.config_to_dict(cfg), "factuality_backend": backend,
         "models": [{"model": p, "metrics": m} for p, m in results.items()],
         "hallucination_source": hallucination_source(cfg, {"news_world": news}), "n_docs": len(docs),
         "doc_ids": [d.id for d in docs], "pool": cfg.pool, "curves_from": [str(c) for c in curves],
-    }), indent=1, allow_nan=False) + "\n")
+    }, nonfinite="null"), indent=1, allow_nan=False) + "\n")
     write_report(run.dir, results, cfg, curves)
     write_samples(run.dir, kept, cfg.html_samples)
     print(f"wrote {run.dir}/eval.json, report.md, metrics.png, samples.html")

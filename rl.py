@@ -555,13 +555,8 @@ def world_figures(docs, eps, limits: dict | None = None) -> dict:
 
     errors = [data.oracle_errors(d, e.summary) for d, e in zip(docs, eps)]
     fig = evaluation.news_world_metrics(docs, eps, errors, limits)
-    return {"eval_fact_precision": fig["fact_precision"], "eval_hallucination": mean(bool(e) for e in errors),
+    return {"eval_fact_precision": fig["fact_precision"], "eval_hallucination": common.mean(bool(e) for e in errors),
             "eval_tool_auc": fig["tool_auc"]}
-
-
-def mean(xs) -> float:
-    xs = [float(x) for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else math.nan
 
 
 TEACHER_PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
@@ -656,9 +651,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         ecfg = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
         eps = sample(eval_docs, 1, ecfg, rollout.make_generator(cfg.seed, model))
         scores = rewards.score_batch(list(zip(eval_docs, eps)), eval_reward)
-        out = {f"eval_{k}": mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
+        out = {f"eval_{k}": common.mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
         ts = sandbox.tool_stats(eps)
-        out.update(eval_len=mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
+        out.update(eval_len=common.mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
                    eval_delete=ts["deletes_per_episode"], eval_valid=ts["valid_episode_rate"])
         if all(getattr(d, "facts", None) for d in eval_docs):  # the news world: its oracle's figures too
             out.update(world_figures(eval_docs, eps, cfg.limits))
@@ -782,10 +777,10 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         scored = sum(len(b["adv"]) for b in batches)
         ts = sandbox.tool_stats(eps)
         fields = {
-            "reward": mean(r["total"] for r in results), "pass": mean(r.get("pass") for r in results),
-            "tau": scorer.curriculum.tau, "fact": mean(r.get("factuality") for r in results),
-            "rules": mean(r.get("rules") for r in results), "budget": mean(r.get("budget") for r in results),
-            "cap": mean(r.get("cap_penalty") for r in results), "match": mean(r.get("tool_match") for r in results),
+            "reward": common.mean(r["total"] for r in results), "pass": common.mean(r.get("pass") for r in results),
+            "tau": scorer.curriculum.tau, "fact": common.mean(r.get("factuality") for r in results),
+            "rules": common.mean(r.get("rules") for r in results), "budget": common.mean(r.get("budget") for r in results),
+            "cap": common.mean(r.get("cap_penalty") for r in results), "match": common.mean(r.get("tool_match") for r in results),
             "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
             "entropy": -sampler_all[~torch.isnan(sampler_all)].mean().item() if n_tokens else math.nan,
             "len": n_tokens / len(eps), "search": ts["searches_per_episode"], "delete": ts["deletes_per_episode"],

@@ -22,7 +22,7 @@ import pytest
 from helpers import script_for
 from common import (
     ConfigError, atomic_dir, atomic_write_text, config_to_dict, format_config, format_step,
-    git_revision, load_config, MetricsWriter, parse_args, read_metrics, save_config,
+    git_revision, jsonable, load_config, mean, MetricsWriter, parse_args, read_metrics, save_config,
     seed_everything, start_run,
 )
 
@@ -370,6 +370,19 @@ def test_format_step_exact():
 ])
 def test_format_step_values(value, text):
     assert format_step(1, None, {"x": value}, 0.0) == f"step 1 | x {text} | 0.0s"
+
+
+def test_one_jsonable_for_metrics_and_reports():
+    value = {"a": math.nan, 1: [np.float32(0.5), -math.inf], "x": np.arange(2)}
+    assert jsonable(value) == {"a": "nan", "1": [0.5, "-inf"], "x": [0, 1]}
+    assert jsonable(value, nonfinite="null") == {"a": None, "1": [0.5, None], "x": [0, 1]}
+    json.dumps(jsonable(value, nonfinite="null"), allow_nan=False)
+
+
+def test_mean_skips_what_was_not_measured():
+    assert mean([1, None, 2, math.nan, True]) == pytest.approx(4 / 3)
+    assert math.isnan(mean([])) and math.isnan(mean([None, math.nan]))
+    assert isinstance(mean(x for x in [1, 2]), float)
 
 
 def test_metrics_round_trip(tmp_path):
