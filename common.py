@@ -730,6 +730,48 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=No
     return {"step": trainer["step"], "state": trainer["state"]}
 
 
+def trim_jsonl(path: str | os.PathLike, step: int) -> int:
+    """Drop the lines of a resumed run's log past `step` (all of them when starting
+    over at 0), and a torn last line; returns how many were dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            s = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if step > 0 and s <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(x + "\n" for x in keep))
+    return dropped
+
+
+def resume(run_dir: str | os.PathLike, how: str, model, optimizer=None, scheduler=None,
+           generators: dict | None = None, logs: tuple[str, ...] = ("metrics.jsonl",)) -> tuple[int, dict]:
+    """Every trainer's resume path: (step, the script's saved state), (0, {}) for a fresh start.
+
+    `how` is the config's `resume` (auto: the newest complete checkpoint). The run's
+    JSONL logs then lose the lines written after that checkpoint (a run killed between
+    two checkpoints logged steps the resumed run logs again), or all of them when the
+    run starts over at step 0.
+    """
+    ckpt, step, state = resolve_resume(how, run_dir), 0, {}
+    if ckpt is not None:
+        got = load_checkpoint(ckpt, model, optimizer, scheduler, generators=generators)
+        step, state = got["step"], got["state"]
+        print(f"resumed from {ckpt} at step {step}")
+    for name in logs:
+        if trim_jsonl(Path(run_dir) / name, step):
+            print(f"{name}: lines past step {step} dropped (written after the checkpoint resumed from)")
+    return step, state
+
+
 def cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
     """Linear warm-up then cosine decay to `min_ratio` of the peak rate."""
     import torch
@@ -1235,6 +1277,20 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
         model.save_pretrained(path, selected_adapters=[n for n in names if n != REFERENCE_ADAPTER])
     else:
         model.save_pretrained(path)
+
+
+def save_final(model, tokenizer, path: str | os.PathLike, merge: bool = False) -> Path:
+    """A trained model and its tokenizer, written atomically to `path` (a run's final/).
+
+    `merge=True` folds a LoRA adapter into the weights first (in place), so the
+    directory loads as a plain model, with no PEFT needed (the distilled student).
+    """
+    if merge and getattr(model, "peft_config", None):
+        model = model.merge_and_unload()
+    with atomic_dir(path) as tmp:
+        save_pretrained(model, tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(path)
 
 
 def frozen_copy(model):

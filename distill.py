@@ -419,13 +419,7 @@ def main(cfg: Config) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    step = 0
-    ckpt = common.resolve_resume(cfg.resume, run.dir)
-    if ckpt is not None:
-        step = common.load_checkpoint(ckpt, model, opt, sched)["step"]
-        print(f"resumed from {ckpt} at step {step}")
-    if rl.trim_jsonl(run.dir / "metrics.jsonl", step):
-        print(f"metrics.jsonl: lines past step {step} dropped (written after the checkpoint resumed from)")
+    step, _ = common.resume(run.dir, cfg.resume, model, opt, sched)
 
     epochs: dict[int, list[list[int]]] = {}
 
@@ -472,13 +466,9 @@ def main(cfg: Config) -> dict:
     bar.close()
 
     # -- final student, comparison -----------------------------------------------
-    final = run.dir / "final"
-    raw = model.merge_and_unload() if getattr(model, "peft_config", None) else model  # full weights
-    with common.atomic_dir(final) as tmp:
-        raw.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+    final = common.save_final(model, tok, run.dir / "final", merge=True)  # full weights
     print(f"student saved to {final}")
-    del teacher, model, raw
+    del teacher, model
     report = {"teacher_path": cfg.teacher, "student_path": str(final), "target": cfg.target,
               "kd_weight": kd_weight, "kd": why, "teacher_episodes": funnel, "targets": len(train),
               "steps": step, "last": last}

@@ -503,27 +503,6 @@ def make_optimizer(cfg: Config, params):
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def trim_jsonl(path: Path, step: int) -> int:
-    """Drop the lines of a resumed run past `step` (all of them when starting
-    over at 0), and a torn last line; returns how many were dropped."""
-    if not path.exists():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            s = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            dropped += 1
-            continue
-        if step > 0 and s <= step:
-            keep.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        common.atomic_write_text(path, "".join(x + "\n" for x in keep))
-    return dropped
-
-
 def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
     """Optional TensorBoard / W&B writers: f(step, numeric fields)."""
     out = []
@@ -619,16 +598,11 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    step = 0
-    ckpt = common.resolve_resume(cfg.resume, run.dir)
-    if ckpt is not None:
-        got = common.load_checkpoint(ckpt, model, opt, sched, generators={"sample": gen})
-        step = got["step"]
-        scorer.load_state_dict(got["state"]["scorer"])
-        print(f"resumed from {ckpt} at step {step} (tau {scorer.curriculum.tau})")
-    for f in ("metrics.jsonl", "samples.jsonl"):
-        if trim_jsonl(run.dir / f, step):
-            print(f"{f}: lines past step {step} dropped (written after the checkpoint resumed from)")
+    step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen},
+                                logs=("metrics.jsonl", "samples.jsonl"))
+    if "scorer" in state:
+        scorer.load_state_dict(state["scorer"])
+        print(f"curriculum: tau {scorer.curriculum.tau}")
     samples = common.MetricsWriter(run.dir / "samples.jsonl")
     extra = sinks(cfg, run.dir)
 
@@ -674,13 +648,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         if step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= step):
             return
         if prev is None or out[key] > prev["value"]:
-            save_model(run.dir / "best")
+            common.save_final(model, tok, run.dir / "best")
             common.atomic_write_text(best_json, json.dumps({"metric": key, "value": out[key], "step": step}) + "\n")
-
-    def save_model(path: Path) -> None:
-        with common.atomic_dir(path) as tmp:
-            common.save_pretrained(model, tmp)
-            tok.save_pretrained(tmp)
 
     best_json = run.dir / "best.json"
     if cfg.eval.keep_best and not eval_docs:
@@ -811,7 +780,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
         print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best evaluated)")
     else:
-        save_model(final)
+        common.save_final(model, tok, final)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "

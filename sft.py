@@ -601,13 +601,7 @@ def main(cfg: Config) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    step = 0
-    ckpt = common.resolve_resume(cfg.resume, run.dir)
-    state = {}
-    if ckpt is not None:
-        got = common.load_checkpoint(ckpt, model, opt, sched, generators={"sample": gen})
-        step, state = got["step"], got["state"]
-        print(f"resumed from {ckpt} at step {step}")
+    step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen})
     if cfg.mode == "kto" and cfg.kto.min_emission_ratio and docs:
         # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
         emission0 = state.get("kto_emission0")
@@ -678,10 +672,7 @@ def main(cfg: Config) -> dict:
         print(f"leak guard: {len(stream.skipped)} generated documents near-duplicate a held-out one and were skipped")
     common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                            keep=cfg.keep_checkpoints)
-    final = run.dir / "final"
-    with common.atomic_dir(final) as tmp:
-        common.save_pretrained(model, tmp)
-        tok.save_pretrained(tmp)
+    final = common.save_final(model, tok, run.dir / "final")
     history = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
     print("final: " + " | ".join(f"{k} {v:.4g}" for k, v in history.items() if isinstance(v, float)))
     print(f"model saved to {final}")

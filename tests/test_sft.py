@@ -202,7 +202,12 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path
     sft.main(cfg_for(tiny, traces, tmp_path / "a", **over))
     with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         sft.main(cfg_for(tiny, traces, tmp_path / "b", **over))
+    with open(tmp_path / "b" / "t" / "metrics.jsonl", "a") as f:  # a step logged after the last checkpoint
+        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n")
     sft.main(cfg_for(tiny, traces, tmp_path / "b", **over))
+    steps = lambda run: [r["step"] for r in common.read_metrics(run / "metrics.jsonl")]  # noqa: E731
+    assert steps(tmp_path / "b" / "t") == steps(tmp_path / "a" / "t")  # the stale line is gone, nothing twice
+    assert 9.0 not in [r.get("loss") for r in common.read_metrics(tmp_path / "b" / "t" / "metrics.jsonl")]
     from safetensors.torch import load_file
 
     a = load_file(str(common.list_checkpoints(tmp_path / "a" / "t")[-1] / "trainable.safetensors"))
