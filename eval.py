@@ -453,15 +453,13 @@ def load_eval_documents(cfg: Config) -> list:
     if not Path(cfg.split).exists():
         raise SystemExit(f"split={cfg.split}: no such file (make it with `python data.py split --docs {cfg.docs} "
                          f"--out {cfg.split}`, or set split='' to use every document)")
-    manifest = json.loads(Path(cfg.split).read_text(encoding="utf-8"))
-    entries = {e["id"]: e for e in manifest.get("pools", {}).get(cfg.pool, [])}
-    held = [d for d in docs if d.id in entries][:cfg.n_docs]
+    try:
+        held = data.pool_documents(docs, data.read_manifest(cfg.split), cfg.pool, cfg.split)[:cfg.n_docs]
+    except (data.DataError, data.LeakError) as e:
+        raise SystemExit(f"error: {e}") from None
     if not held:
         raise SystemExit(f"no document of {cfg.docs} is in the {cfg.pool!r} pool of {cfg.split}: "
                          "a split of other documents?")
-    for d in held:
-        if data.content_hash(d.text) != entries[d.id]["sha256"]:
-            raise SystemExit(f"document {d.id} of {cfg.docs} changed since {cfg.split} was frozen")
     return held
 
 

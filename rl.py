@@ -391,11 +391,12 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
                          f"--n 1000 --seed 0 --out {cfg.train}`, or set data.generate=N)")
     held = data.read_documents(cfg.eval) if cfg.eval else None
     if cfg.split and Path(cfg.split).exists():
-        manifest = data.read_manifest(cfg.split)
-        pools = manifest["pools"]
-        train_ids, eval_ids = {e["id"] for e in pools["train"]}, {e["id"] for e in pools["eval"]}
-        train = [d for d in docs if d.id in train_ids]
-        held = [d for d in (held if held is not None else docs) if d.id in eval_ids]
+        try:  # the split's pools, each document checked against the content hash the split froze
+            manifest = data.read_manifest(cfg.split)
+            train = data.pool_documents(docs, manifest, "train", cfg.split)
+            held = data.pool_documents(held if held is not None else docs, manifest, "eval", cfg.split)
+        except (data.DataError, data.LeakError) as e:
+            raise SystemExit(f"error: {e}") from None
         if docs and not train:
             raise SystemExit(f"no document of {cfg.train} is in the train pool of {cfg.split}: "
                              "a split of other documents? (data.split='' uses them all)")

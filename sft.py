@@ -446,9 +446,12 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
                              f"of the stream): run `python data.py newsworld --n 1000 --seed 0 --out {cfg.docs}` and "
                              f"`python data.py split --docs {cfg.docs} --out {cfg.split}` (the pipeline's docs "
                              "and split stages), or set data.split=''")
-    docs, manifest = data.read_documents(cfg.docs), data.read_manifest(cfg.split)
-    guard = data.held_out_guard(docs, manifest, cfg.split)
-    evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]
+    try:
+        docs, manifest = data.read_documents(cfg.docs), data.read_manifest(cfg.split)
+        guard = data.held_out_guard(docs, manifest, cfg.split)
+        evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]
+    except (data.DataError, data.LeakError) as e:
+        raise SystemExit(f"error: {e}") from None
     return guard, [clean_episode(d).tokenized(tokenizer) for d in evals], evals
 
 

@@ -149,6 +149,15 @@ def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_he
         rl.load_documents(rl.DataConfig(train=str(docs_path), split="", fresh=10))
 
 
+def test_the_pools_are_checked_against_the_split_content_hashes(tmp_path):
+    docs, manifest, docs_path, split_path = split_world(tmp_path)
+    held = next(d for d in docs if d.id in {e["id"] for e in manifest["pools"]["eval"]})
+    changed = [dataclasses.replace(d, text=d.text + " Extra.") if d.id == held.id else d for d in docs]
+    data.write_jsonl(str(docs_path), changed)
+    with pytest.raises(SystemExit, match=rf"{held.id}.*changed since {split_path}"):
+        rl.load_documents(rl.DataConfig(train=str(docs_path), split=str(split_path)))
+
+
 def test_validation_documents_are_fresh_and_leave_the_eval_pool_alone(tmp_path):
     _, manifest, docs_path, split_path = split_world(tmp_path)
     held_pools = {e["id"] for p in ("eval", "never_touch") for e in manifest["pools"][p]}
