@@ -347,22 +347,25 @@ def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: 
     return eps
 
 
-def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None) -> dict:
-    """Every metric of one model on `documents`, as a flat dict of floats (NaN
-    where not computable). `keep`, if given, receives (document, greedy episode,
-    score, oracle errors or None) per document, for samples and inspection."""
+def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None) -> tuple[dict, list, list, list]:
+    """Greedy rollouts of `documents` and their figures, as (figures, episodes,
+    scores, oracle errors or None per document): the held-out evaluation that
+    sft.py and rl.py log during training, and the first part of `evaluate`.
+    `generate(documents)`, if given, makes the episodes instead of the hf rollouts
+    (rl.py: its own sampler, which may be vLLM, under its sampling settings)."""
     docs = list(documents)
     if not docs:
         raise ValueError("no documents to evaluate")
     limits = sandbox.Limits.make(**cfg.limits)
-    ban = tool_processor(tokenizer, cfg.tools)
-    news = all(getattr(d, "facts", None) for d in docs)
     greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                                     seed=cfg.seed)
+    if generate is not None:
+        eps = generate(docs)
+    else:
+        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, tool_processor(tokenizer, cfg.tools), None,
+                        "greedy")
+    news = all(getattr(d, "facts", None) for d in docs)
     out: dict[str, float] = {}
-
-    # -- greedy: quality, factuality, hallucination, tool use ---------------
-    eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban, None, "greedy")
     scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
     pairs = [(e.summary, d.summary) for d, e in zip(docs, eps) if getattr(d, "summary", "")]
     out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
@@ -383,6 +386,33 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
         out.update(news_world_metrics(docs, eps, errors, cfg.limits))
     out["tau"] = float(scores[0]["tau"])
     out["news_world"] = float(news)
+    out["len_tokens"] = common.mean(sum(len(t.ids) for t in e.turns) for e in eps)  # generated, all turns
+    out["len_words"] = common.mean(len(e.summary.split()) for e in eps)  # of the final summary
+    out["emission"] = common.mean(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps)
+    return out, eps, scores, errors
+
+
+SHOWN = ("loss", "total", "pass", "factuality", "fact_precision", "hallucination_rate", "tool_auc", "searches",
+         "deletes", "valid_call_rate", "len_tokens")  # the figures a training run prints at each evaluation
+
+
+def log_eval(run, step: int, figures: dict) -> None:
+    """A training run's held-out figures: all of them to metrics.jsonl, those in SHOWN printed."""
+    run.metrics.write(step=step, **figures)
+    shown = {k: v for k, v in figures.items() if k.removeprefix("eval_") in SHOWN}
+    print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
+
+
+def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None) -> dict:
+    """Every metric of one model on `documents`, as a flat dict of floats (NaN
+    where not computable). `keep`, if given, receives (document, greedy episode,
+    score, oracle errors or None) per document, for samples and inspection."""
+    docs = list(documents)
+    out, eps, scores, errors = greedy_eval(model, tokenizer, docs, cfg)
+    limits = sandbox.Limits.make(**cfg.limits)
+    ban = tool_processor(tokenizer, cfg.tools)
+    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
 
     # -- sampled: pass@k ------------------------------------------------------
     n = cfg.n_samples
@@ -476,8 +506,7 @@ TABLES = {
 }
 BARS = ["rouge1", "rougeL", "factuality", "fact_precision", "pass", "hallucination_rate", "valid_episode_rate",
         "pass_at_1"]
-CURVE_KEYS = ["reward", "pass", "eval_pass", "eval_factuality", "loss", "eval_loss", "sample_factuality",
-              "sample_pass"]
+CURVE_KEYS = ["reward", "pass", "eval_pass", "eval_factuality", "loss", "eval_loss"]
 
 
 def fmt(v) -> str:

@@ -528,17 +528,6 @@ def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
     return out
 
 
-def world_figures(docs, eps, limits: dict | None = None) -> dict:
-    """The news world oracle's fact precision and hallucination rate of greedy episodes (eval.py's)."""
-    import data
-    import eval as evaluation
-
-    errors = [data.oracle_errors(d, e.summary) for d, e in zip(docs, eps)]
-    fig = evaluation.news_world_metrics(docs, eps, errors, limits)
-    return {"eval_fact_precision": fig["fact_precision"], "eval_hallucination": common.mean(bool(e) for e in errors),
-            "eval_tool_auc": fig["tool_auc"]}
-
-
 TEACHER_PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
 
@@ -618,22 +607,20 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                                         lora_request=lora_request)
         return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
 
-    eval_reward = dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality or cfg.reward.factuality)
+    import eval as evaluation
+
+    # eval.py's greedy held-out evaluation, under this run's sampler and sandbox limits, scored by
+    # the configured reward (pass at the first tau, so evaluations compare across the curriculum)
+    ecfg = evaluation.Config(reward=dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality
+                                                        or cfg.reward.factuality),
+                             limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+    greedy = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
 
     def evaluate() -> dict:
-        """Greedy rollouts on held-out documents, scored by the configured reward
-        (pass at the first tau, so evaluations compare across the curriculum)."""
-        ecfg = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
-        eps = sample(eval_docs, 1, ecfg, rollout.make_generator(cfg.seed, model))
-        scores = rewards.score_batch(list(zip(eval_docs, eps)), eval_reward)
-        out = {f"eval_{k}": common.mean(s[k] for s in scores) for k in ("total", "pass", "factuality", "rules")}
-        ts = sandbox.tool_stats(eps)
-        out.update(eval_len=common.mean(sum(len(t.ids) for t in e.turns) for e in eps), eval_search=ts["searches_per_episode"],
-                   eval_delete=ts["deletes_per_episode"], eval_valid=ts["valid_episode_rate"])
-        if all(getattr(d, "facts", None) for d in eval_docs):  # the news world: its oracle's figures too
-            out.update(world_figures(eval_docs, eps, cfg.limits))
-        run.metrics.write(step=step, **out)
-        print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
+        figures = evaluation.greedy_eval(model, tok, eval_docs, ecfg, generate=lambda docs: sample(
+            docs, 1, greedy, rollout.make_generator(cfg.seed, model)))[0]
+        out = {f"eval_{k}": v for k, v in figures.items()}
+        evaluation.log_eval(run, step, out)
         if cfg.eval.keep_best:
             keep_if_best(out)
         return out

@@ -380,27 +380,16 @@ class _Doc:
     text: str
 
 
-def sample_eval(model, tokenizer, documents, reward_cfg, limits: sandbox.Limits, max_new_tokens: int,
-                seed: int = 0) -> dict:
-    """Greedy rollouts on held-out documents: tool-call validity, tool use, and
-    the reward's factuality of the final summaries."""
+def sample_eval(model, tokenizer, documents, cfg: Config) -> dict:
+    """eval.py's greedy held-out evaluation (`eval.greedy_eval`) of `documents` under
+    this run's reward and sandbox limits, its figures prefixed `eval_` as in rl.py."""
     if not documents:
         return {}
-    cfg = rollout.SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
-    eps = rollout.rollout(model, tokenizer, documents, 1, cfg, limits)
-    scores = rewards.score_batch(list(zip(documents, eps)), reward_cfg)
-    out = {f"sample_{k}": v for k, v in sandbox.tool_stats(eps).items()}
-    out["sample_factuality"] = sum(s["factuality"] for s in scores) / len(scores)
-    out["sample_pass"] = sum(bool(s["pass"]) for s in scores) / len(scores)
-    out["sample_len_words"] = sum(len(e.summary.split()) for e in eps) / len(eps)
-    out["sample_emission"] = sum(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps) / len(eps)
-    if all(getattr(d, "facts", None) for d in documents):
-        import data
+    import eval as evaluation
 
-        stated = [f for d, e in zip(documents, eps) for f in data.stated_facts(d, e.summary)]
-        out["sample_fact_precision"] = sum(f["supported"] for f in stated) / max(1, len(stated))
-        out["sample_hallucination"] = sum(bool(data.oracle_errors(d, e.summary)) for d, e in zip(documents, eps)) / len(eps)
-    return out
+    ecfg = evaluation.Config(reward=cfg.reward, limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens,
+                             seed=cfg.seed)
+    return {f"eval_{k}": v for k, v in evaluation.greedy_eval(model, tokenizer, documents, ecfg)[0].items()}
 
 
 def clean_episode(doc) -> sandbox.Episode:
@@ -609,8 +598,7 @@ def main(cfg: Config) -> dict:
         # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
         emission0 = state.get("kto_emission0")
         if emission0 is None:
-            emission0 = sample_eval(model, tok, docs, cfg.reward, limits, cfg.eval.max_new_tokens, cfg.seed)[
-                "sample_emission"]
+            emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
             model.train()
         state = {"kto_emission0": emission0}
         print(f"kto: summary emission before training {emission0:.3f}; early stop below "
@@ -633,7 +621,7 @@ def main(cfg: Config) -> dict:
     t_last, tok_count = time.perf_counter(), 0
     while step < total_steps:
         if cfg.eval.every and step % cfg.eval.every == 0 and held_eps:
-            history = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=False)
+            history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=False)
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
         loss_value = 0.0
@@ -661,10 +649,10 @@ def main(cfg: Config) -> dict:
                                         "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
-            if emission0 is not None and "sample_emission" in ev:
-                if ev["sample_emission"] < cfg.kto.min_emission_ratio * emission0:
-                    print(f"kto: early stop at step {step}: summary emission {ev['sample_emission']:.3f} < "
+            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)
+            if emission0 is not None and "eval_emission" in ev:
+                if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
+                    print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
                           f"{cfg.kto.min_emission_ratio} x {emission0:.3f} before training")
                     break
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
@@ -676,23 +664,23 @@ def main(cfg: Config) -> dict:
     common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                            keep=cfg.keep_checkpoints)
     final = common.save_final(model, tok, run.dir / "final")
-    history = _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample=True)
-    print("final: " + " | ".join(f"{k} {v:.4g}" for k, v in history.items() if isinstance(v, float)))
+    history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)
     print(f"model saved to {final}")
     return history
 
 
-def _log_eval(run, step, model, tok, held_eps, docs, cfg, limits, sample: bool) -> dict:
+def _log_eval(run, step, model, tok, held_eps, docs, cfg, sample: bool) -> dict:
     out = {}
     if held_eps:
         out["eval_loss"] = eval_loss(model, held_eps, cfg.max_batch_tokens, mask_retracted=cfg.mask_retracted,
                                      method=cfg.score_method)
     if sample:
-        out.update(sample_eval(model, tok, docs, cfg.reward, limits, cfg.eval.max_new_tokens, cfg.seed))
+        out.update(sample_eval(model, tok, docs, cfg))
         model.train()
     if out:
-        run.metrics.write(step=step, **out)
-        print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in out.items()))
+        import eval as evaluation
+
+        evaluation.log_eval(run, step, out)
     return out
 
 

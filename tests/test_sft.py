@@ -1,5 +1,6 @@
 """SFT: the branch loss by hand, batching, mask validation, a short run that
 learns the tool syntax, and exact resume."""
+import dataclasses
 import json
 import math
 import subprocess
@@ -185,12 +186,13 @@ def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_pat
     held = [e.tokenized(tok) for e in S.read_episodes(cfg.data.eval)]
     docs = sft.held_out_documents(held, "", 8)
     before_loss = sft.eval_loss(model, held, 16384)
-    before = sft.sample_eval(model, tok, docs, cfg.reward, S.Limits(), 60)
+    before = sft.sample_eval(model, tok, docs, dataclasses.replace(cfg, eval=sft.EvalConfig(max_new_tokens=60)))
     after = sft.main(cfg)
+    calls = lambda ev: ev["eval_searches"] + ev["eval_deletes"]  # noqa: E731
     assert after["eval_loss"] < 0.5 * before_loss
-    assert after["sample_calls_per_episode"] >= 0.5
-    assert after["sample_valid_call_rate"] >= 0.7
-    assert before["sample_calls_per_episode"] <= 0.125  # the untrained model (almost) never calls a tool
+    assert calls(after) >= 0.5
+    assert after["eval_valid_call_rate"] >= 0.7
+    assert calls(before) <= 0.125  # the untrained model (almost) never calls a tool
     rows = [json.loads(x) for x in open(tmp_path / "t" / "metrics.jsonl")]
     assert any("loss" in r for r in rows) and (tmp_path / "t" / "final" / "config.json").exists()
 
@@ -356,12 +358,12 @@ def test_kto_mode_prefers_the_desirable_episodes_and_its_guard_stops_it(tiny, tr
     # the guard: emission falls from 1.0 to 0.5 after the first check -> stop at that step
     emissions = iter([1.0, 0.5, 0.5, 0.5])
     real = sft.sample_eval
-    monkeypatch.setattr(sft, "sample_eval", lambda *a, **k: {**real(*a, **k), "sample_emission": next(emissions)})
+    monkeypatch.setattr(sft, "sample_eval", lambda *a, **k: {**real(*a, **k), "eval_emission": next(emissions)})
     cfg = cfg_for(tiny, traces, tmp_path / "guard", mode="kto", epochs=4, batch_episodes=8, save_every=0,
                   kto=sft.KTOConfig(min_emission_ratio=0.9))
     cfg.data.limit = 16
     cfg.eval.sample_every = 2
     cfg.eval.n_docs = 2
     sft.main(cfg)
-    steps = [r["step"] for r in common.read_metrics(tmp_path / "guard" / "t" / "metrics.jsonl") if "sample_emission" in r]
+    steps = [r["step"] for r in common.read_metrics(tmp_path / "guard" / "t" / "metrics.jsonl") if "eval_emission" in r]
     assert steps[0] == 2 and max(steps) == 2  # checked at step 2, stopped there (then the final evaluation)
