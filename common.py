@@ -878,12 +878,12 @@ def _tokenizer_texts(n_docs: int, seed: int) -> list[str]:
     """
     import re
 
-    import data  # the news world; data.py imports neither torch nor transformers
+    import newsworld
     from sandbox import error_block, prompt_messages, results_block, split_sentences
 
     rng = random.Random(seed)
     texts = [m["content"] for m in prompt_messages("")]
-    for doc in data.newsworld(n_docs, seed):
+    for doc in newsworld.documents(n_docs, seed):
         texts += [prompt_messages(doc.text)[1]["content"], doc.summary]
         sentences = split_sentences(doc.text) or [doc.text]
         claims = split_sentences(doc.summary) or [doc.summary]
@@ -930,13 +930,13 @@ def tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB, n_docs: int = TOKENIZER_DO
 
 def _tiny_spec(preset: str, seed: int) -> dict:
     """Everything a build depends on; a directory built from another spec is rebuilt."""
-    import data
+    import newsworld
 
     if preset not in TINY_PRESETS:
         raise ConfigError(f"unknown tiny preset {preset!r}; choose one of {', '.join(TINY_PRESETS)}")
     return {"format": TINY_FORMAT, "preset": preset, "seed": seed, "shape": TINY_PRESETS[preset],
             "tokenizer": {"vocab_size": TOKENIZER_VOCAB, "n_docs": TOKENIZER_DOCS, "seed": TOKENIZER_SEED,
-                          "world": data.WORLD_VERSION}}
+                          "world": newsworld.WORLD_VERSION}}
 
 
 def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, tokenizer=None) -> Path:

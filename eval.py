@@ -19,7 +19,7 @@ Per model (greedy decoding, temperature 0, unless stated):
   rule; tau is the curriculum's first, so runs compare), mean total reward.
 - Hallucination: a summary hallucinates when it makes at least one unsupported
   claim. On the news world (documents with a fact table) the oracle decides,
-  whatever the reward backend: one error = one `data.oracle_errors` label (a
+  whatever the reward backend: one error = one `oracle.oracle_errors` label (a
   wrong entity, number, date, polarity or predicate, or a sentence no fact
   supports). Elsewhere a claim is unsupported when the backend scores it below
   `claim_tau` (lexical: summary sentences; FENICE: extracted claims), so the
@@ -136,10 +136,10 @@ def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) ->
     table) the oracle counts; otherwise the claims of `scores` (from
     `rewards.score_batch`) that the backend scored below `cfg.claim_tau`."""
     if all(getattr(d, "facts", None) for d in docs):
-        import data
+        import oracle
 
-        oracle = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
-        errors = [s["claims"] if oracle else data.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
+        labelled = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
+        errors = [s["claims"] if labelled else oracle.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
         return [len(e) for e in errors], errors
     counts = [sum(float(c.get("score", 1.0)) < cfg.claim_tau for c in s.get("claims") or []) for s in scores]
     return counts, [None] * len(counts)
@@ -153,7 +153,7 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
     rebuilt by replaying the output up to the delete tag; the sentence is
     checked by the oracle, and the delete counts when an error span overlaps
     the retracted tail."""
-    import data
+    import oracle
 
     out, before = [], ""
     for t in ep.turns:
@@ -164,7 +164,7 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
             gone = " ".join(c.deleted.split())
             last = sentences[-1] if sentences else gone
             start = len(last) - len(gone) if last.endswith(gone) else 0
-            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in data.oracle_errors(doc, last)]
+            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in oracle.oracle_errors(doc, last)]
             out.append(any(i >= 0 and i + n > start for i, n in spans))
         before += t.text + t.injected
     return out
@@ -177,13 +177,13 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
     - `text`, `index` (its position in the summary), `wrong` (the oracle finds an error);
     - `searched`, `deleted`: a search / delete call followed it before the next sentence;
     - `found`: some search after it returned an article sentence that states the
-      fact it is about (`data.oracle_support`), None when it is about no fact;
+      fact it is about (`oracle.oracle_support`), None when it is about no fact;
     - `rewrite_wrong`: for a deleted sentence, whether the sentence written in its
       place is wrong (None when nothing was written there).
 
     A call belongs to the last sentence of the summary just before the call (the
     episode replayed up to the call); a delete retracts that sentence."""
-    import data
+    import oracle
 
     events: list[dict] = []
     before = ""
@@ -209,8 +209,8 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
     events += [{"index": i, "text": s, "searched": False, "deleted": False, "hits": []}
                for i, s in enumerate(final) if (i, s) not in kept]
     for e in events:
-        e["wrong"] = bool(data.oracle_errors(doc, e["text"]))
-        support = data.oracle_support(doc, e["text"])
+        e["wrong"] = bool(oracle.oracle_errors(doc, e["text"]))
+        support = oracle.oracle_support(doc, e["text"])
         e["found"] = bool(set(support) & set(e["hits"])) if support and e["searched"] else None
     for k, e in enumerate(events):
         if e["deleted"]:
@@ -258,9 +258,9 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
     """The oracle's view of greedy episodes: fact precision (supported names,
     numbers and dates over those stated), the tool decision (`tool_decision`),
     and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
-    import data
+    import oracle
 
-    stated = [data.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
+    stated = [oracle.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
     out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
            "facts_stated": common.mean(len(fs) for fs in stated)}
     out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))

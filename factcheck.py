@@ -9,7 +9,7 @@ the support score with adjacent words bound to one document sentence, all from
 `rewards.support_details`, which repairs the sentence boundaries of lower-cased
 summaries and glued documents first), weighed by a ridge logistic
 regression on soft targets, trained on
-  - the news world: reference summaries and faulty drafts (`data.draft`) of
+  - the news world: reference summaries and faulty drafts (`oracle.draft`) of
     `--newsworld` documents, the target the oracle's share of error-free sentences;
   - a public human-labelled set in bench/factuality.py's record format, its
     dev split only (FRANK's validation articles), when `--frank` is given; the
@@ -131,13 +131,14 @@ def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
     """(document, summary, target) from the news world: the reference and two
     drafts per document, the target the oracle's share of sentences with no
     error (FRANK's human score is the same share, by annotators)."""
-    import data
+    import newsworld
+    import oracle
 
     rng = random.Random(seed)
     out = []
-    for doc in data.newsworld(n_docs, seed=seed):
-        for summary in (doc.summary, data.draft(doc, rng)[0], data.draft(doc, rng)[0]):
-            out.append((doc, summary, float(data.oracle_fact_score(doc, summary))))
+    for doc in newsworld.documents(n_docs, seed=seed):
+        for summary in (doc.summary, oracle.draft(doc, rng)[0], oracle.draft(doc, rng)[0]):
+            out.append((doc, summary, float(oracle.oracle_fact_score(doc, summary))))
     return out
 
 

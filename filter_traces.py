@@ -199,7 +199,7 @@ def uncorrected_draft(ep: sandbox.Episode) -> str:
 
 def factuality(doc: data.Document | str, summary: str, backend: str = "lexical") -> float:
     """F in [0, 1] from a reward backend: lexical, support or learned (model-free),
-    the news world's oracle (`data.oracle_fact_score`), or FENICE."""
+    the news world's oracle (`oracle.oracle_fact_score`), or FENICE."""
     return factuality_batch([(doc, summary)], backend)[0]
 
 

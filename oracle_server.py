@@ -6,7 +6,7 @@ It stands in for a paid teacher wherever the project talks to one, so the API
 code paths run end to end on a CPU with no key and no network (the GPU chain's
 `--smoke` run uses it):
 - fact-checking (synth_traces.py's annotator prompt): the answer is
-  `{"errors": [...]}` from `data.oracle_errors`, in the teacher's schema;
+  `{"errors": [...]}` from `oracle.oracle_errors`, in the teacher's schema;
 - the judge prompt: a full score citing the trace's first sentence;
 - summarising (the sandbox's prompt, chat or completions, continued from the
   text so far): a teacher policy that writes the reference summary's first
@@ -24,6 +24,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import data
+import oracle
 import sandbox
 
 JUDGE_MARK = "You grade how well a summariser used its tools"
@@ -47,7 +48,7 @@ class OracleTeacher:
         summary = rest.split("\n\nFind every factual error", 1)[0]
         doc = self.find(article)
         keys = ("error_span", "corrected_clause", "regex_key")
-        return json.dumps({"errors": [{k: e[k] for k in keys} for e in data.oracle_errors(doc, summary)]})
+        return json.dumps({"errors": [{k: e[k] for k in keys} for e in oracle.oracle_errors(doc, summary)]})
 
     def judge(self, user: str) -> str:
         trace = user.split("Trace (the summariser's output; <results> blocks are what its searches returned):\n", 1)[-1]

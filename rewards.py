@@ -22,8 +22,8 @@ saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
   pairs co-occur there; the worst sentence. Reported as SUPPORT_NAME.
 - "learned": factcheck.py's logistic regression over model-free features,
   weights from `reward.learned.path`. Reported as LEARNED_NAME.
-- "oracle": the built-in news world's fact table (`data.oracle_fact_score`, the share of
-  sentences with no error; `oracle_unit="fact"`: `data.oracle_fact_precision`).
+- "oracle": the built-in news world's fact table (`oracle.oracle_fact_score`, the share of
+  sentences with no error; `oracle_unit="fact"`: `oracle.oracle_fact_precision`).
 
 Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `support_factuality`, `factuality_batch`,
 `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
@@ -1889,15 +1889,15 @@ class Scorer:
             res = self.fenice(cfg.fenice).score_batch([(_text_of(d), s.text) for d, s in zip(docs, summaries)])
             return [(r["score"], r["claims"]) for r in res]
         if cfg.factuality == "oracle":
-            import data  # the news world; imported only for this backend
+            import oracle  # the news world's fact checker; imported only for this backend
 
             out = []
             for d, s in zip(docs, summaries):
                 if not hasattr(d, "facts"):
                     raise ValueError("factuality='oracle' needs data.Document items (with their fact table), "
                                      f"got {type(d).__name__}")
-                score = data.oracle_fact_precision if cfg.oracle_unit == "fact" else data.oracle_fact_score
-                out.append((float(score(d, s.text)), data.oracle_errors(d, s.text)))
+                score = oracle.oracle_fact_precision if cfg.oracle_unit == "fact" else oracle.oracle_fact_score
+                out.append((float(score(d, s.text)), oracle.oracle_errors(d, s.text)))
             return out
         raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, support, learned, oracle)")
 

@@ -379,12 +379,13 @@ def validate_masks(episodes: Sequence[sandbox.Episode], tokenizer) -> None:
 def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     """(train, eval, how they were obtained)."""
     import data  # the documents module (no torch)
+    import newsworld
 
     path = Path(cfg.train)
     if path.exists():
         docs, how = data.read_documents(cfg.train), f"{cfg.train}"
     elif cfg.generate:
-        docs = list(data.newsworld(cfg.generate, seed=cfg.world_seed))
+        docs = list(newsworld.documents(cfg.generate, seed=cfg.world_seed))
         how = f"{cfg.train} missing: {cfg.generate} news-world documents generated in memory (seed {cfg.world_seed})"
     else:
         raise SystemExit(f"data.train={cfg.train}: no such file (write one with `python data.py newsworld "
@@ -405,12 +406,12 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
             raise SystemExit(f"data.validation_seed={cfg.validation_seed} is data.fresh_seed: validation documents "
                              "would be training documents")
         if cfg.validation:
-            held, skipped = data.fresh_documents(cfg.validation, cfg.validation_seed,
+            held, skipped = newsworld.fresh_documents(cfg.validation, cfg.validation_seed,
                                                  data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
         if cfg.fresh:
-            train, skipped = data.fresh_documents(cfg.fresh, cfg.fresh_seed,
+            train, skipped = newsworld.fresh_documents(cfg.fresh, cfg.fresh_seed,
                                                   data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped)")
@@ -420,7 +421,7 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     else:
         train = docs
         if held is None and not path.exists():
-            held = list(data.newsworld(max(1, cfg.generate // 10), seed=cfg.world_seed + 1))
+            held = list(newsworld.documents(max(1, cfg.generate // 10), seed=cfg.world_seed + 1))
     return train, held or [], how
 
 

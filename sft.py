@@ -410,10 +410,10 @@ class WorldStream:
         self.skipped: set[str] = set()
 
     def documents(self, m: int) -> list:
-        import data
+        import newsworld
 
         indices = (j % self.cfg.generate for j in range(m * self.batch, (m + 1) * self.batch))
-        out, skipped = data.fresh_documents(indices, self.cfg.world_seed, self.guard)
+        out, skipped = newsworld.fresh_documents(indices, self.cfg.world_seed, self.guard)
         self.skipped.update(skipped)
         return out
 

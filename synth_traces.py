@@ -69,6 +69,8 @@ from tqdm import tqdm
 
 import common
 import data
+import newsworld
+import oracle
 import sandbox
 
 SYNTH_VERSION = 1  # version of the trace record's meta (bump when its fields change)
@@ -242,7 +244,7 @@ def support_query(document: str, sentence: str, style: str, rng: random.Random,
         styles.reverse()
     for s in styles if style == "mix" else styles[:1]:
         if s == "regex":
-            q = f"/({data.regex_key_for(index.sentences, target, sentence, entity_names=list(entity_names))})/"
+            q = f"/({oracle.regex_key_for(index.sentences, target, sentence, entity_names=list(entity_names))})/"
         else:
             q = bm25_query(document, sentence, target)
         if q:
@@ -738,7 +740,7 @@ class OracleAnnotator:
         for doc, summary in pairs:
             if not doc.facts:
                 raise data.DataError(f"document {doc.id!r} has no fact table: the oracle needs news world documents")
-            out.append(Annotation(labels=data.oracle_errors(doc, summary)))
+            out.append(Annotation(labels=oracle.oracle_errors(doc, summary)))
         return out
 
 
@@ -846,9 +848,9 @@ def oracle_flags(doc: data.Document, sentences: Sequence[str]) -> list[bool]:
     sentences = [" ".join(s.split()) for s in sentences]
     joined = " ".join(sentences)
     if sandbox.split_sentences(joined) == sentences:
-        flagged = {lab["sentence_index"] for lab in data.oracle_errors(doc, joined)}
+        flagged = {lab["sentence_index"] for lab in oracle.oracle_errors(doc, joined)}
         return [i in flagged for i in range(len(sentences))]
-    return [bool(data.oracle_errors(doc, s)) for s in sentences]
+    return [bool(oracle.oracle_errors(doc, s)) for s in sentences]
 
 
 def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
@@ -876,7 +878,7 @@ def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
         sent = (sandbox.split_sentences(body(ep.turns[k])) or [""])[-1]
         checks.append((sent or None, False, False, quote(k), "checked a right sentence", "kept a wrong sentence"))
     if not checks:
-        ok = not data.oracle_errors(doc, ep.summary)
+        ok = not oracle.oracle_errors(doc, ep.summary)
         return {"score": float(ok), "evidence": [{"span": ep.summary[:80], "why": "no tool use; the summary is "
                                                   + ("right" if ok else "wrong")}]}
     texts = [c[0] for c in checks if c[0]]
@@ -956,7 +958,7 @@ class NewsworldDrafter:
             if not it.doc.facts:
                 raise data.DataError(f"document {it.doc.id!r} is not a news world document (no fact table); "
                                      "use drafter.backend=model")
-            text, labels = data.draft(it.doc, it.rng("draft"), clean_rate=self.cfg.clean_rate,
+            text, labels = oracle.draft(it.doc, it.rng("draft"), clean_rate=self.cfg.clean_rate,
                                       max_errors=self.cfg.max_errors)
             out.append(Draft(text, labels))
         return out
@@ -1307,7 +1309,7 @@ def load_docs(cfg: Config) -> list[data.Document]:
         if cfg.generate_docs <= 0:
             raise data.DataError(f"{cfg.docs_path} does not exist (write it with python data.py newsworld "
                                  f"--out {cfg.docs_path}, or set generate_docs)")
-        n = data.write_jsonl(cfg.docs_path, data.newsworld(cfg.generate_docs, cfg.world_seed))
+        n = data.write_jsonl(cfg.docs_path, newsworld.documents(cfg.generate_docs, cfg.world_seed))
         print(f"wrote {n} news world documents (seed {cfg.world_seed}) -> {cfg.docs_path}", file=sys.stderr)
     return data.read_documents(cfg.docs_path)
 

@@ -91,13 +91,14 @@ def make_scorer(name: str, learned: str):
 
 def newsworld_records(n_docs: int, seed: int = 11) -> list[dict]:
     """News world documents with the reference and two drafts each, labelled by the oracle; half dev, half test."""
-    import data
+    import newsworld
+    import oracle
 
     rng = random.Random(seed)
     out = []
-    for i, doc in enumerate(data.newsworld(n_docs, seed=seed)):
-        for j, summary in enumerate((doc.summary, data.draft(doc, rng)[0], data.draft(doc, rng)[0])):
-            human = float(data.oracle_fact_score(doc, summary))
+    for i, doc in enumerate(newsworld.documents(n_docs, seed=seed)):
+        for j, summary in enumerate((doc.summary, oracle.draft(doc, rng)[0], oracle.draft(doc, rng)[0])):
+            human = float(oracle.oracle_fact_score(doc, summary))
             out.append({"id": f"newsworld/{doc.id}/{j}", "source": "newsworld", "split": "dev" if i % 2 else "test",
                         "doc_id": doc.id, "system": "reference" if j == 0 else "draft", "document": doc.text,
                         "summary": summary, "human": human, "label": int(human >= 1.0)})

@@ -2,7 +2,7 @@
 
     python bench/rewards.py [--docs 100] [--group 8]
 
-Figures, on news world documents with faulty drafts (`data.draft`), scored as
+Figures, on news world documents with faulty drafts (`oracle.draft`), scored as
 an RL step sees them: groups of `--group` rollouts of one document, the
 document side built once per group (its cost is included), on one CPU core:
 - lexical factuality summaries/s (target >= 2,000); it is a model-free
@@ -29,6 +29,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
+import newsworld
+import oracle
 import rewards as R  # noqa: E402
 
 CLAIM_FAIL = 0.75  # a summary sentence scoring below this is flagged by the lexical scorer
@@ -44,7 +46,7 @@ def one_core() -> None:
 
 def groups_of(n_docs: int, group: int, seed: int = 0) -> list[tuple[data.Document, list[str]]]:
     rng = random.Random(seed)
-    return [(doc, [data.draft(doc, rng)[0] for _ in range(group)]) for doc in data.newsworld(n_docs, seed=seed)]
+    return [(doc, [oracle.draft(doc, rng)[0] for _ in range(group)]) for doc in newsworld.documents(n_docs, seed=seed)]
 
 
 def per_second(groups, fn, repeats: int = 3) -> float:
@@ -97,7 +99,7 @@ def agreement(groups) -> dict:
     missed, errors = collections.Counter(), collections.Counter()
     for doc, texts in groups:
         for text in texts:
-            errs = data.oracle_errors(doc, text)
+            errs = oracle.oracle_errors(doc, text)
             bad = {e["sentence_index"] for e in errs}
             claims = R.score(doc, text)["claims"]
             flagged = {i for i, c in enumerate(claims) if c["score"] < CLAIM_FAIL}

@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import data  # noqa: E402
+import newsworld
 import sandbox  # noqa: E402
 
 LR = 1e-5
@@ -43,7 +44,7 @@ def distinct_words(text: str) -> float:
 
 
 def documents(n: int) -> list:
-    return list(data.newsworld(n, seed=0))
+    return list(newsworld.documents(n, seed=0))
 
 
 def run_ours(args, tmp: str) -> dict:

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import data  # noqa: E402
+import newsworld
 import rollout as R  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -36,7 +36,7 @@ import sandbox  # noqa: E402
 def long_documents(tokenizer, n, lo=600, hi=800):
     """News-world articles joined until each document has lo..hi tokens."""
     docs, parts, i = [], [], 0
-    world = data.newsworld(10_000, seed=11)
+    world = newsworld.documents(10_000, seed=11)
     while len(docs) < n:
         d = next(world)
         i += 1

@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import data  # noqa: E402
+import newsworld
+import oracle
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
 import sft  # noqa: E402
@@ -35,8 +36,8 @@ def traces(n, seed=0):
 
     rng = random.Random(seed)
     out = []
-    for doc in data.newsworld(n, seed=seed):
-        text, labels = data.draft(doc, rng, n_errors=1)
+    for doc in newsworld.documents(n, seed=seed):
+        text, labels = oracle.draft(doc, rng, n_errors=1)
         lab = labels[0] if labels else None
         if lab:
             sents = sandbox.split_sentences(text)

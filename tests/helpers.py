@@ -69,13 +69,14 @@ def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
     delete and the correction; some correct sentences get a search only."""
     import random
 
-    import data
+    import newsworld
+    import oracle
     import sandbox
 
     rng = random.Random(seed)
     out = []
-    for doc in data.newsworld(n, seed=seed):
-        text, labels = data.draft(doc, rng)
+    for doc in newsworld.documents(n, seed=seed):
+        text, labels = oracle.draft(doc, rng)
         by_sentence = {lab["sentence_index"]: lab for lab in labels}
         parts = []
         for i, sent in enumerate(sandbox.split_sentences(text)):

@@ -8,6 +8,7 @@ import types
 import pytest
 
 import data
+import newsworld
 from data import DataError, Document, LeakError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +219,7 @@ def test_paraphrased_and_reordered_near_duplicates_share_a_cluster():
 
 
 def test_news_world_retellings_are_clustered_and_different_events_are_not():
-    docs = list(data.newsworld(400, 0))
+    docs = list(newsworld.documents(400, 0))
     clusters = data.cluster_documents(docs)
     by_event = {}
     for d in docs:
@@ -235,7 +236,7 @@ def test_duplicate_ids_are_rejected():
 
 
 def small_world():
-    return list(data.newsworld(300, 1))
+    return list(newsworld.documents(300, 1))
 
 
 def test_split_is_seeded_stratified_and_whole_clusters():
@@ -311,7 +312,7 @@ def test_leak_guard_catches_a_generated_twin_of_a_held_out_document():
     assert guard.match(twin) == held[3].id  # a retelling of a held-out event is kept out
     assert guard.match(held[0]) == held[0].id
     train = data.pool_documents(docs, manifest, "train")
-    fresh = list(data.newsworld(200, seed=7))  # another world: its events are new
+    fresh = list(newsworld.documents(200, seed=7))  # another world: its events are new
     assert sum(guard.match(d) is not None for d in fresh) <= 4
     # it agrees with the clustering: a training document never shares a cluster with a held-out one
     assert all(guard.match(d) is None for d in train)
@@ -324,11 +325,11 @@ def test_fresh_documents_skip_what_the_held_out_guard_matches():
     held = data.pool_documents(docs, manifest, ("eval", "never_touch"))
     assert guard.match(held[0]) == held[0].id  # the split's held-out pools, both of them
     # The world the split came from, drawn again: its held-out articles are skipped, the rest kept.
-    kept, skipped = data.fresh_documents(len(docs), 1, guard)
+    kept, skipped = newsworld.fresh_documents(len(docs), 1, guard)
     held_ids = {d.id for d in held}
     assert held_ids <= set(skipped) and not held_ids & {d.id for d in kept}
     assert [d.id for d in kept] == [d.id for d in docs if d.id not in set(skipped)]
-    assert data.fresh_documents(5, 1) == (docs[:5], [])  # no guard: every article, in order
+    assert newsworld.fresh_documents(5, 1) == (docs[:5], [])  # no guard: every article, in order
 
 
 def test_check_split_detects_changed_and_unknown_documents():

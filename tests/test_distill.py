@@ -10,6 +10,7 @@ import torch
 
 import common
 import data
+import newsworld
 import distill
 import rollout as R
 import sandbox as S
@@ -139,7 +140,7 @@ def test_distill_loss_ce_is_sfts_and_kd_against_itself_is_zero():
 def world(tmp_path_factory):
     """Six news-world documents and a split: three to generate on, three held out."""
     d = tmp_path_factory.mktemp("world")
-    docs = list(data.newsworld(6, seed=3))
+    docs = list(newsworld.documents(6, seed=3))
     data.write_jsonl(str(d / "docs.jsonl"), docs)
     ids = [x.id for x in docs]
     entry = {x.id: {"id": x.id, "sha256": data.content_hash(x.text)} for x in docs}

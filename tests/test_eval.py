@@ -16,6 +16,7 @@ import torch
 
 import common
 import data
+import newsworld
 import eval as E
 import rewards
 import rollout as R
@@ -88,7 +89,7 @@ def _swap_number(doc: data.Document) -> str:
 
 @pytest.mark.parametrize("backend", ["oracle", "lexical"])
 def test_hallucinations_counted_by_the_oracle_on_the_news_world(backend):
-    docs = list(data.newsworld(4, seed=3))
+    docs = list(newsworld.documents(4, seed=3))
     summaries = [d.summary for d in docs] + [_swap_number(d) for d in docs]
     docs2 = docs + docs
     cfg = E.Config(reward=rewards.RewardConfig(factuality=backend))
@@ -109,7 +110,7 @@ def test_hallucinations_without_an_oracle_use_the_backend_claims():
 
 
 def test_deletes_that_removed_an_error():
-    doc = next(iter(data.newsworld(1, seed=0)))
+    doc = next(iter(newsworld.documents(1, seed=0)))
     first, second = S.split_sentences(doc.summary)[:2]
     wrong = S.split_sentences(_swap_number(doc))[0]
     assert wrong != first
@@ -121,7 +122,7 @@ def test_deletes_that_removed_an_error():
 
 
 def test_sentence_events_record_each_written_sentence_and_what_followed():
-    doc = next(iter(data.newsworld(1, seed=0)))
+    doc = next(iter(newsworld.documents(1, seed=0)))
     first, second, third = S.split_sentences(doc.summary)[:3]
     wrong = S.split_sentences(_swap_number(doc))[0]
     support = doc.text.split(". ")[0] + "."  # the article sentence holding the first fact
@@ -250,7 +251,7 @@ def _save_model(path: Path, seed: int) -> str:
 def world(tmp_path_factory):
     """A tiny model directory and twenty news-world documents with a split."""
     root = tmp_path_factory.mktemp("eval")
-    docs = list(data.newsworld(20, seed=5))
+    docs = list(newsworld.documents(20, seed=5))
     data.write_jsonl(str(root / "docs.jsonl"), docs)
     manifest = data.make_split(docs, (0.5, 0.3, 0.2))
     assert manifest["counts"]["eval"] >= 3

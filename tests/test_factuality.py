@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
+import newsworld
+import oracle
 import factcheck as FC
 import rewards as R
 
@@ -171,8 +172,8 @@ def test_training_on_the_news_world_ranks_references_above_faulty_drafts(tmp_pat
     assert model.meta["trained_on"] == {"newsworld": 120}
     rng = __import__("random").Random(5)
     hits = []
-    for doc in data.newsworld(20, seed=3):
-        text, labels = data.draft(doc, rng, n_errors=2)
+    for doc in newsworld.documents(20, seed=3):
+        text, labels = oracle.draft(doc, rng, n_errors=2)
         hits.append(model.score(doc, doc.summary) > model.score(doc, text))
     assert sum(hits) >= 15, hits
 

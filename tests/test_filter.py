@@ -10,12 +10,14 @@ import pytest
 
 import common
 import data
+import newsworld
+import oracle
 import filter_traces as ft
 import sandbox
 import synth_traces as st
 from helpers import DOC
 
-WORLD = list(data.newsworld(8, seed=5))
+WORLD = list(newsworld.documents(8, seed=5))
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEL = '<delete scope="sentence"/>'
 
@@ -64,7 +66,7 @@ def test_format_token_budget_uses_the_policy_tokenizer():
 
 
 def _corrective(doc, types=None, key=None):
-    draft, labels = data.draft(doc, random.Random(1), n_errors=1, types=types or data.ERROR_TYPES)
+    draft, labels = oracle.draft(doc, random.Random(1), n_errors=1, types=types or oracle.ERROR_TYPES)
     lab = dict(labels[0], regex_key=key or labels[0]["regex_key"])
     text, corr = st.render(sandbox.split_sentences(draft), {lab["sentence_index"]: [lab]}, lambda s: None,
                            random.Random(0), 0.0)
@@ -79,14 +81,14 @@ def test_relevance_tfidf_cosine_between_top_result_and_correction():
     assert ft.relevance(good) >= 0.3
     sents = sandbox.split_sentences(doc.text)
     worst = min(range(len(sents)), key=lambda i: st.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
-    key = data.rx_escape(" ".join(sents[worst].split()[:5]))
+    key = oracle.rx_escape(" ".join(sents[worst].split()[:5]))
     assert sandbox.DocIndex(doc.text).search(f"/({key})/").hits[0] == worst
     bad, _ = _corrective(doc, key=key)
     assert ft.relevance(bad) < 0.3
     # function words do not make a result relevant, rare words (names, numbers) do
     assert st.tfidf_cosine(doc.text, "the a of in to", "the a of in to and") < st.tfidf_cosine(
         doc.text, sents[0], sents[0])
-    only = trace(f"{sents[0]}<search>/{data.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
+    only = trace(f"{sents[0]}<search>/{oracle.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
     assert ft.relevance(only) is None  # nothing corrected, nothing to score
 
 
@@ -97,7 +99,7 @@ def test_factuality_gain_keeps_real_corrections_only(backend):
     gain = ft.factuality(doc, ep.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(ep), backend)
     assert gain >= 0.05
     right = sandbox.split_sentences(doc.summary)
-    same = trace(f"{right[0]}<search>/{data.rx_escape(right[0].split()[0])}/</search>{DEL} {right[0]} "
+    same = trace(f"{right[0]}<search>/{oracle.rx_escape(right[0].split()[0])}/</search>{DEL} {right[0]} "
                  + " ".join(right[1:]), doc.text)
     assert ft.factuality(doc, same.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(same), backend) < 0.05
 
@@ -245,7 +247,7 @@ class _Sloppy:
     def annotate_many(self, pairs):
         out = []
         for doc, summary in pairs:
-            labels = data.oracle_errors(doc, summary)
+            labels = oracle.oracle_errors(doc, summary)
             h = st.stable_hash(doc.id + summary) % 3
             if h == 0:
                 labels = []

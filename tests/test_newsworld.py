@@ -11,11 +11,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import data
+import newsworld
+import oracle
 import sandbox
 from data import Document
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORLD = list(data.newsworld(400, 0))
+WORLD = list(newsworld.documents(400, 0))
 
 
 def run_cli(*args, env=None):
@@ -29,11 +31,11 @@ def run_cli(*args, env=None):
 
 
 def test_same_seed_same_bytes_and_article_i_depends_only_on_seed_and_i():
-    a = [data.dumps(d) for d in data.newsworld(40, 7)]
-    assert a == [data.dumps(d) for d in data.newsworld(40, 7)]
-    assert data.dumps(data.world_document(7, 33)) == a[33]
-    assert [data.dumps(d) for d in data.newsworld(5, 7, start=30)] == a[30:35]
-    assert a != [data.dumps(d) for d in data.newsworld(40, 8)]
+    a = [data.dumps(d) for d in newsworld.documents(40, 7)]
+    assert a == [data.dumps(d) for d in newsworld.documents(40, 7)]
+    assert data.dumps(newsworld.world_document(7, 33)) == a[33]
+    assert [data.dumps(d) for d in newsworld.documents(5, 7, start=30)] == a[30:35]
+    assert a != [data.dumps(d) for d in newsworld.documents(40, 8)]
     assert [json.loads(x)["id"] for x in a[:2]] == ["nw-7-000000", "nw-7-000001"]
 
 
@@ -93,7 +95,7 @@ def test_the_world_is_hard_to_copy_from():
 
 def test_every_family_template_states_its_roles():
     """Every slot of a sentence template belongs to a role the sentence states, so fact tables are exact."""
-    for fam in data.FAMILIES.values():
+    for fam in newsworld.FAMILIES.values():
         for spec in fam.lead + fam.body:
             for t in spec.templates:
                 optional = set(re.findall(r"\[(\w+):", t))
@@ -110,11 +112,11 @@ def test_every_family_template_states_its_roles():
 
 def test_oracle_finds_no_error_in_references_or_in_any_article_sentence():
     for d in WORLD:
-        assert data.oracle_errors(d, d.summary) == [], d.id
-        assert data.oracle_fact_score(d, d.summary) == 1.0
+        assert oracle.oracle_errors(d, d.summary) == [], d.id
+        assert oracle.oracle_fact_score(d, d.summary) == 1.0
     for d in WORLD[:150]:
         for s in sandbox.split_sentences(d.text):  # a summary that copies the article is correct
-            assert data.oracle_errors(d, s) == [], (d.id, s)
+            assert oracle.oracle_errors(d, s) == [], (d.id, s)
 
 
 # --- the faulty drafter ----------------------------------------------------------------
@@ -123,20 +125,20 @@ def test_oracle_finds_no_error_in_references_or_in_any_article_sentence():
 def test_drafter_labels_are_exact():
     types, intrinsic = Counter(), Counter()
     for k, d in enumerate(WORLD):
-        text, labels, targets = data.draft_detailed(d, random.Random(k), clean_rate=0.0)
+        text, labels, targets = oracle.draft_detailed(d, random.Random(k), clean_rate=0.0)
         parts = sandbox.split_sentences(text)
         assert len(parts) == len(sandbox.split_sentences(d.summary))
-        found = {(o["sentence_index"], o["type"]) for o in data.oracle_errors(d, text)}
+        found = {(o["sentence_index"], o["type"]) for o in oracle.oracle_errors(d, text)}
         index = sandbox.DocIndex(d.text)
         assert len({lab["sentence_index"] for lab in labels}) == len(labels) >= 1  # one error per sentence
         for lab, target in zip(labels, targets):
-            assert tuple(lab) == data.LABEL_KEYS
+            assert tuple(lab) == oracle.LABEL_KEYS
             i = lab["sentence_index"]
             assert lab["error_span"] in parts[i] and lab["error_span"] not in lab["corrected_clause"]
             # The oracle finds the injected error, with its type.
             assert (i, lab["type"]) in found, (d.id, lab)
             # Applying the correction fixes the sentence.
-            assert data.oracle_errors(d, lab["corrected_clause"]) == [], (d.id, lab)
+            assert oracle.oracle_errors(d, lab["corrected_clause"]) == [], (d.id, lab)
             # The regex key, searched as the trace will search it, finds the supporting sentence first.
             hits = index.search(f"/({lab['regex_key']})/").hits
             assert hits and hits[0] == target, (d.id, lab, hits, target)
@@ -147,21 +149,21 @@ def test_drafter_labels_are_exact():
         assert {i for i, _ in found} == {lab["sentence_index"] for lab in labels}
         for lab in labels:
             parts[lab["sentence_index"]] = lab["corrected_clause"]
-        assert data.oracle_errors(d, " ".join(parts)) == []
-    assert set(types) == set(data.ERROR_TYPES) and min(types.values()) >= 30
+        assert oracle.oracle_errors(d, " ".join(parts)) == []
+    assert set(types) == set(oracle.ERROR_TYPES) and min(types.values()) >= 30
     assert intrinsic[("entity_swap", True)] >= 30 and intrinsic[("entity_swap", False)] >= 30
     assert intrinsic[("number_change", True)] >= 30 and intrinsic[("number_change", False)] >= 30
 
 
 def test_drafter_error_counts_and_clean_drafts():
     d = WORLD[3]
-    assert data.draft(d, random.Random(0), clean_rate=1.0)[1] == []
-    text, labels = data.draft(d, random.Random(0), n_errors=2)
+    assert oracle.draft(d, random.Random(0), clean_rate=1.0)[1] == []
+    text, labels = oracle.draft(d, random.Random(0), n_errors=2)
     assert len(labels) == 2
-    clean = sum(not data.draft(x, random.Random(i))[1] for i, x in enumerate(WORLD[:200]))
+    clean = sum(not oracle.draft(x, random.Random(i))[1] for i, x in enumerate(WORLD[:200]))
     assert 20 <= clean <= 60  # default clean_rate 0.2
-    assert data.draft(d, random.Random(5)) == data.draft(d, random.Random(5))
-    only = data.draft(d, random.Random(1), n_errors=2, types=("date_change",))[1]
+    assert oracle.draft(d, random.Random(5)) == oracle.draft(d, random.Random(5))
+    only = oracle.draft(d, random.Random(1), n_errors=2, types=("date_change",))[1]
     assert {lab["type"] for lab in only} <= {"date_change"}
 
 
@@ -181,10 +183,10 @@ def test_oracle_grades_free_text_summaries():
     verb = "rose" if f["growth"]["predicate"] == "rise" else "fell"
     wrong_verb = "fell" if verb == "rose" else "rose"
     good = f"{c} reported revenue of {rev} for the quarter ended {date}, as sales {verb} {growth}."
-    assert data.oracle_errors(d, good) == []
+    assert oracle.oracle_errors(d, good) == []
 
     def types(summary):
-        return [(e["type"], e["error_span"], e["intrinsic"]) for e in data.oracle_errors(d, summary)]
+        return [(e["type"], e["error_span"], e["intrinsic"]) for e in oracle.oracle_errors(d, summary)]
 
     rival = f["rival"]["subject"]
     assert types(good.replace(c, rival)) == [("entity_swap", rival, True)]
@@ -200,8 +202,8 @@ def test_oracle_grades_free_text_summaries():
     assert types("The weather in the region was pleasant.") == [
         ("unsupported", "The weather in the region was pleasant.", False)]
     # Two sentences, one wrong: half the summary is factual.
-    assert data.oracle_fact_score(d, good + " " + good.replace(rev, prior)) == 0.5
-    assert data.oracle_fact_score(d, "") == 0.0 and data.oracle_fact_score(d, "   ") == 0.0
+    assert oracle.oracle_fact_score(d, good + " " + good.replace(rev, prior)) == 0.5
+    assert oracle.oracle_fact_score(d, "") == 0.0 and oracle.oracle_fact_score(d, "   ") == 0.0
 
 
 def test_oracle_corrections_and_keys_for_free_text():
@@ -209,9 +211,9 @@ def test_oracle_corrections_and_keys_for_free_text():
     f = {x["kind"].split(".")[1]: x for x in d.facts}
     c, rev, date = f["rev"]["subject"], f["rev"]["value"], f["rev"]["date"]
     wrong = f"Revenue at {c} reached {f['prior']['value']} in the quarter ended {date}."
-    [label] = data.oracle_errors(d, wrong)
+    [label] = oracle.oracle_errors(d, wrong)
     assert label["corrected_clause"] == wrong.replace(f["prior"]["value"], rev)  # a minimal edit
-    assert data.oracle_errors(d, label["corrected_clause"]) == []
+    assert oracle.oracle_errors(d, label["corrected_clause"]) == []
     hits = sandbox.DocIndex(d.text).search(f"/({label['regex_key']})/").hits
     assert hits[0] == f["rev"]["sentence"]
     assert rev not in label["regex_key"]  # the key must not give the answer away
@@ -223,11 +225,11 @@ def test_a_made_up_name_that_opens_a_sentence_is_an_error():
     c, rev, date = f["rev"]["subject"], f["rev"]["value"], f["rev"]["date"]
     good = f"{c} reported revenue of {rev} for the quarter ended {date}."
     made_up = "Zorblax " + c.split()[-1]  # a new first word before the article's own second word
-    assert data.oracle_errors(d, good) == []
-    assert [(e["type"], e["error_span"]) for e in data.oracle_errors(d, good.replace(c, made_up))] == [
+    assert oracle.oracle_errors(d, good) == []
+    assert [(e["type"], e["error_span"]) for e in oracle.oracle_errors(d, good.replace(c, made_up))] == [
         ("entity_swap", "Zorblax")]
     opener = f"Shares of {c} rose after the report."  # an ordinary opening word is not a name
-    assert "entity_swap" not in {e["type"] for e in data.oracle_errors(d, opener)}
+    assert "entity_swap" not in {e["type"] for e in oracle.oracle_errors(d, opener)}
 
 
 def test_stated_facts_and_support_sentences():
@@ -235,15 +237,15 @@ def test_stated_facts_and_support_sentences():
     f = {x["kind"].split(".")[1]: x for x in d.facts}
     c, rev, date = f["rev"]["subject"], f["rev"]["value"], f["rev"]["date"]
     good = f"{c} reported revenue of {rev} for the quarter ended {date}."
-    stated = data.stated_facts(d, good)
+    stated = oracle.stated_facts(d, good)
     assert [(x["kind"], x["text"]) for x in stated] == [("name", c), ("number", rev), ("date", date)]
     assert all(x["supported"] for x in stated)
-    wrong = data.stated_facts(d, good.replace(rev, "$999.9 billion") + " The weather was pleasant in Zorbia.")
+    wrong = oracle.stated_facts(d, good.replace(rev, "$999.9 billion") + " The weather was pleasant in Zorbia.")
     assert [x["supported"] for x in wrong] == [True, False, True] + [False] * (len(wrong) - 3)
-    assert data.oracle_support(d, good) == [f["rev"]["sentence"]]
+    assert oracle.oracle_support(d, good) == [f["rev"]["sentence"]]
     # a wrong value's sentence is about the fact whose value it should have taken
-    assert f["rev"]["sentence"] in data.oracle_support(d, good.replace(rev, f["prior"]["value"]))
-    assert data.oracle_support(d, "The weather was pleasant.") == []
+    assert f["rev"]["sentence"] in oracle.oracle_support(d, good.replace(rev, f["prior"]["value"]))
+    assert oracle.oracle_support(d, "The weather was pleasant.") == []
 
 
 def test_oracle_never_raises_on_junk_and_needs_a_fact_table():
@@ -251,12 +253,12 @@ def test_oracle_never_raises_on_junk_and_needs_a_fact_table():
     rng = random.Random(0)
     for _ in range(200):
         junk = "".join(rng.choice("ab XYZ 12,.$%-\n\"'") for _ in range(rng.randint(0, 120)))
-        score = data.oracle_fact_score(d, junk)
+        score = oracle.oracle_fact_score(d, junk)
         assert 0.0 <= score <= 1.0
-        for lab in data.oracle_errors(d, junk):
+        for lab in oracle.oracle_errors(d, junk):
             assert lab["error_span"] in sandbox.split_sentences(junk)[lab["sentence_index"]]
     with pytest.raises(data.DataError, match="not a news world document"):
-        data.oracle_errors(Document("x", "A plain article."), "A summary.")
+        oracle.oracle_errors(Document("x", "A plain article."), "A summary.")
 
 
 # --- stats ----------------------------------------------------------------------------------
@@ -268,7 +270,7 @@ def test_cli_stats_reports_counts_lengths_and_agreement(tmp_path):
     stats = json.loads(run_cli("stats", path).stdout.strip().splitlines()[-1])
     assert stats["documents"] == 120 and sum(stats["by_bucket"].values()) == 120
     assert 6 <= stats["sentences_per_doc"]["min"] and stats["sentences_per_doc"]["max"] <= 14
-    assert set(stats["drafts"]["by_type"]) <= set(data.ERROR_TYPES) and stats["drafts"]["errors"] > 100
+    assert set(stats["drafts"]["by_type"]) <= set(oracle.ERROR_TYPES) and stats["drafts"]["errors"] > 100
     agreement = stats["agreement"]
     assert agreement["oracle_recall_type"] == 1.0 and agreement["oracle_false_alarm_rate"] == 0.0
     assert agreement["references_flagged"] == 0 and agreement["regex_key_first_hit_support"] == 1.0
@@ -279,16 +281,16 @@ def test_cli_stats_reports_counts_lengths_and_agreement(tmp_path):
 @settings(max_examples=150, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200))
 def test_oracle_is_total_on_any_text(text):
-    score = data.oracle_fact_score(WORLD[1], text)
+    score = oracle.oracle_fact_score(WORLD[1], text)
     assert 0.0 <= score <= 1.0
     sentences = sandbox.split_sentences(text)
-    for lab in data.oracle_errors(WORLD[1], text):
-        assert tuple(lab) == data.LABEL_KEYS and lab["error_span"] in sentences[lab["sentence_index"]]
+    for lab in oracle.oracle_errors(WORLD[1], text):
+        assert tuple(lab) == oracle.LABEL_KEYS and lab["error_span"] in sentences[lab["sentence_index"]]
 
 
 @given(st.integers(min_value=1, max_value=999_000_000_000))
 def test_money_is_written_and_read_back_consistently(amount):
-    q = data.money(amount)
-    assert data.parse_money(q.text) == q.amount
-    [m] = [m for m in data.parse_quantities(f"It cost {q.text} in all.") if m.kind == "qty"]
-    assert data.qty_match(m.qty, q)
+    q = newsworld.money(amount)
+    assert newsworld.parse_money(q.text) == q.amount
+    [m] = [m for m in oracle.parse_quantities(f"It cost {q.text} in all.") if m.kind == "qty"]
+    assert oracle.qty_match(m.qty, q)

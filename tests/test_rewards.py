@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import common
-import data
+import newsworld
+import oracle
 import rewards as R
 import sandbox
 from helpers import DOC, load_config_file
@@ -732,7 +733,7 @@ def test_delete_cap_lowers_the_reward():
 
 
 def test_score_batch_takes_documents_as_text_or_records():
-    doc = next(iter(data.newsworld(1, seed=0)))
+    doc = next(iter(newsworld.documents(1, seed=0)))
     items = [(doc, doc.summary), (doc.text, doc.summary)]
     a, b = R.score_batch(items)
     assert {k: v for k, v in a.items()} == b
@@ -740,29 +741,29 @@ def test_score_batch_takes_documents_as_text_or_records():
 
 
 def test_oracle_backend_uses_the_fact_table():
-    doc = next(iter(data.newsworld(1, seed=0)))
+    doc = next(iter(newsworld.documents(1, seed=0)))
     cfg = R.RewardConfig(factuality="oracle")
     out = R.score(doc, doc.summary, cfg)
-    assert out["factuality"] == data.oracle_fact_score(doc, doc.summary) == 1.0
+    assert out["factuality"] == oracle.oracle_fact_score(doc, doc.summary) == 1.0
     assert out["factuality_backend"].startswith("oracle")
     with pytest.raises(ValueError, match="data.Document"):
         R.score(doc.text, doc.summary, cfg)
 
 
 def test_oracle_unit_fact_scores_the_share_of_stated_facts_supported():
-    doc = next(iter(data.newsworld(1, seed=0)))
+    doc = next(iter(newsworld.documents(1, seed=0)))
     first = sandbox.split_sentences(doc.summary)[0]
-    facts = data.stated_facts(doc, first)
+    facts = oracle.stated_facts(doc, first)
     assert facts and all(f["supported"] for f in facts)
     # One stated fact made up: the sentence unit gives the whole sentence 0, the fact unit
     # keeps credit for the facts that are still right.
     wrong = first.replace(facts[0]["text"], "Zorblax Industries" if facts[0]["kind"] == "name" else "987654")
-    n = len(data.stated_facts(doc, wrong))
+    n = len(oracle.stated_facts(doc, wrong))
     by_fact = R.score(doc, wrong, R.RewardConfig(factuality="oracle", oracle_unit="fact"))["factuality"]
     by_sentence = R.score(doc, wrong, R.RewardConfig(factuality="oracle"))["factuality"]
-    assert by_sentence == 0.0 and by_fact == pytest.approx(data.oracle_fact_precision(doc, wrong))
-    assert by_fact == pytest.approx(sum(f["supported"] for f in data.stated_facts(doc, wrong)) / n) and 0 < by_fact < 1
-    assert data.oracle_fact_precision(doc, "The weather was mild.") == 0.0  # states nothing checkable
+    assert by_sentence == 0.0 and by_fact == pytest.approx(oracle.oracle_fact_precision(doc, wrong))
+    assert by_fact == pytest.approx(sum(f["supported"] for f in oracle.stated_facts(doc, wrong)) / n) and 0 < by_fact < 1
+    assert oracle.oracle_fact_precision(doc, "The weather was mild.") == 0.0  # states nothing checkable
 
 
 def test_reward_config_loads_as_a_group_of_a_script_config():
@@ -791,10 +792,10 @@ CLAIM_FAIL = 0.75  # a summary sentence scoring below this is flagged by the lex
 def agreement(n_docs=100, drafts_per_doc=4, seed=0):
     rng = random.Random(seed)
     summaries, sentences = [], []
-    for doc in data.newsworld(n_docs, seed=seed):
+    for doc in newsworld.documents(n_docs, seed=seed):
         for _ in range(drafts_per_doc):
-            text, _ = data.draft(doc, rng)
-            bad = {e["sentence_index"] for e in data.oracle_errors(doc, text)}
+            text, _ = oracle.draft(doc, rng)
+            bad = {e["sentence_index"] for e in oracle.oracle_errors(doc, text)}
             claims = R.score(doc, text, LEXICAL)["claims"]
             flagged = {i for i, c in enumerate(claims) if c["score"] < CLAIM_FAIL}
             summaries.append((bool(bad), bool(flagged)))

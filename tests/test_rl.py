@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import common
 import data
+import newsworld
 import rl
 import rollout as R
 import sandbox as S
@@ -125,7 +126,7 @@ def test_toolmatch_is_counted_once_and_its_credit_lands_on_the_call_tag_only():
 
 def split_world(tmp_path):
     """200 news-world documents and their split, written to tmp_path: (docs, manifest, docs path, split path)."""
-    docs = list(data.newsworld(200, seed=0))
+    docs = list(newsworld.documents(200, seed=0))
     manifest = data.make_split(docs, seed=0)
     docs_path, split_path = tmp_path / "docs.jsonl", tmp_path / "split.json"
     data.write_jsonl(str(docs_path), docs)
@@ -604,7 +605,7 @@ def tiny_sft(tmp_path_factory):
 
 
 def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
-    docs = list(data.newsworld(60, seed=0))
+    docs = list(newsworld.documents(60, seed=0))
     data.write_jsonl(str(tmp_path / "docs.jsonl"), docs)
     (tmp_path / "split.json").write_text(json.dumps(data.make_split(docs, seed=0)))
     cfg = load("tiny.yaml", f"init={tiny_sft}", f"runs_dir={tmp_path}", "steps=2", "prompts_per_step=2",

@@ -212,14 +212,14 @@ def test_api_client_gives_up_with_a_clear_error():
 def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - needs CUDA and vLLM
     vllm = pytest.importorskip("vllm")
     import common
-    import data
+    import newsworld
     from transformers import AutoModelForCausalLM
 
     path = common.build_tiny_model("tiny-1m", tmp_path / "m")
     tok = common.load_tokenizer(path)
     llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
                    logprobs_mode="processed_logprobs")
-    docs = [d.text for d in data.newsworld(4, seed=0)]
+    docs = [d.text for d in newsworld.documents(4, seed=0)]
     eps = R.rollout(llm, tok, docs, 2, R.SamplingConfig(backend="vllm", temperature=1.0, max_new_tokens=64))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     with torch.no_grad():

@@ -10,10 +10,12 @@ import pytest
 
 import common
 import data
+import newsworld
+import oracle
 import sandbox
 import synth_traces as st
 
-DOCS = list(data.newsworld(12, seed=3))
+DOCS = list(newsworld.documents(12, seed=3))
 
 
 def _cfg(tmp_path, *overrides):
@@ -29,7 +31,7 @@ def _cfg(tmp_path, *overrides):
 
 def test_injection_follows_design_and_results_are_the_sandboxes():
     doc = DOCS[0]
-    draft, labels = data.draft(doc, random.Random(0), n_errors=2)
+    draft, labels = oracle.draft(doc, random.Random(0), n_errors=2)
     text, corrections = st.render(sandbox.split_sentences(draft), st.group_labels(labels), lambda s: None,
                                   random.Random(0), search_rate=0.0)
     assert "<results>" not in text  # the teacher never writes results: replay inserts them
@@ -55,7 +57,7 @@ def test_injection_follows_design_and_results_are_the_sandboxes():
 def test_own_sentence_queries_and_evidence_rewrites():
     hits = n = 0
     for doc in DOCS:
-        draft, labels = data.draft(doc, random.Random(1), n_errors=2)
+        draft, labels = oracle.draft(doc, random.Random(1), n_errors=2)
         sentences = sandbox.split_sentences(draft)
         text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0),
                                       search_rate=1.0, own=st.own_query,
@@ -71,7 +73,7 @@ def test_own_sentence_queries_and_evidence_rewrites():
             res = sandbox.DocIndex(doc.text).search(c["keys"][0])
             if c["corrected"] in [sandbox.DocIndex(doc.text).sentences[h] for h in res.hits]:
                 hits += 1
-                assert data.oracle_errors(doc, c["corrected"]) == []
+                assert oracle.oracle_errors(doc, c["corrected"]) == []
     assert n >= 20 and hits / n >= 0.8
     assert st.own_query("Acme/Globex <b> rose 5%.") == "Acme Globex b rose 5%"
     assert sandbox.parse_query(st.own_query("/Acme rose/."))[0] == "bm25"
@@ -211,7 +213,7 @@ class _Server:
         user = body["messages"][-1]["content"]
         article = user.split("Article:\n", 1)[1].split("\n\nSummary:\n", 1)[0]
         summary = user.split("\n\nSummary:\n", 1)[1].split("\n\nFind every", 1)[0]
-        labels = data.oracle_errors(self.docs[article], summary)
+        labels = oracle.oracle_errors(self.docs[article], summary)
         items = [{k: lab[k] for k in ("error_span", "corrected_clause", "regex_key")} for lab in labels]
         items.append({"error_span": "a span that is nowhere", "corrected_clause": "x", "regex_key": "x"})
         return json.dumps({"errors": items})
@@ -356,8 +358,8 @@ def test_newsworld_run_records_provenance(tmp_path):
         assert e.doc_id == m["id"].split("#")[0] and m["drafter"] == "newsworld" and m["annotator"] == "oracle"
         assert m["draft"] and "judge" in m and 0 <= m["judge"]["score"] <= 1
         assert m["trace_kind"] == st.trace_kind(e)
-        assert set(m["error_types"]) <= set(data.ERROR_TYPES)
-        assert e.valid and e.summary and not data.oracle_errors(DOCS[[d.id for d in DOCS].index(e.doc_id)],
+        assert set(m["error_types"]) <= set(oracle.ERROR_TYPES)
+        assert e.valid and e.summary and not oracle.oracle_errors(DOCS[[d.id for d in DOCS].index(e.doc_id)],
                                                                 e.summary)
 
 
@@ -397,7 +399,7 @@ class _FlagFirst:
             if sents and doc.id not in self.seen:
                 first = sandbox.split_sentences(doc.text)[0]
                 labels = [{"error_span": sents[0][:3], "corrected_clause": first, "type": "entity_swap",
-                           "regex_key": data.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
+                           "regex_key": oracle.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
             self.seen.add(doc.id)
             out.append(st.Annotation(labels=labels))
         return out

@@ -6,6 +6,8 @@ import pytest
 
 import common
 import data
+import newsworld
+import oracle
 import rl
 import sandbox
 import teacher_episodes as T
@@ -32,7 +34,7 @@ class TeacherServer:
 @pytest.fixture
 def docs(tmp_path):
     path = tmp_path / "docs.jsonl"
-    data.write_jsonl(str(path), list(data.newsworld(6, seed=0)))
+    data.write_jsonl(str(path), list(newsworld.documents(6, seed=0)))
     return str(path)
 
 
@@ -108,7 +110,7 @@ def test_the_oracle_server_answers_as_a_teacher_would():
     import rollout
     import synth_traces
 
-    docs = list(data.newsworld(3, seed=4))
+    docs = list(newsworld.documents(3, seed=4))
     url, httpd = oracle_server.serve(docs)
     try:
         client = rollout.ApiClient(url, "oracle", retries=0)
@@ -118,11 +120,11 @@ def test_the_oracle_server_answers_as_a_teacher_would():
             assert [c.kind for c in ep.calls] == ["search"] and ep.calls[0].hits
             assert ep.summary == " ".join(sandbox.split_sentences(docs[0].summary))
         rng = __import__("random").Random(0)
-        draft, _ = data.draft(docs[1], rng, n_errors=2)
+        draft, _ = oracle.draft(docs[1], rng, n_errors=2)
         out = client.post("/chat/completions", {"model": "oracle",
                                                  "messages": synth_traces.annotation_messages(docs[1].text, draft)})
         got = json.loads(out["choices"][0]["message"]["content"])["errors"]
-        want = data.oracle_errors(docs[1], draft)
+        want = oracle.oracle_errors(docs[1], draft)
         assert [e["error_span"] for e in got] == [e["error_span"] for e in want] and len(got) == 2
         with pytest.raises(rollout.ApiError, match="HTTP 400"):
             client.post("/completions", {"prompt": "Summarise this article.\n\nNot a known text.\n\nSummary: "})

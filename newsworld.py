@@ -1,0 +1,1366 @@
+"""The built-in news world: a seeded generator of short news articles with a fact table each.
+
+Every article is built from an event of one of ten families (earnings,
+acquisition, election, sports, court, storm, launch, research, funding,
+council), with a fact table and a 2-4 sentence reference summary built from its
+key facts. Distractor sentences reuse the article's own entities and numbers in
+other roles (last year's revenue, a rival's bid), so careless copying errs.
+Article i depends only on (seed, i): `documents(n, seed)` and
+`world_document(seed, i)` are the entry points; `python data.py newsworld` writes
+them as Document JSONL. `oracle.py` checks any summary against the fact table.
+
+Stdlib and `data`/`sandbox` only (no torch, no numpy).
+"""
+from __future__ import annotations
+
+import functools
+import random
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Callable, Iterable, Iterator
+
+import data
+from data import DataError, Document, seeded_rng
+
+WORLD_VERSION = 1  # version of the news world generator (bump when output bytes change)
+
+
+# ===========================================================================
+# 2. The news world: values, names and predicates
+# ===========================================================================
+#
+# Every article is built from an *event* (entities, values, dates drawn by an
+# event RNG) and a *surface* (templates, sentence order, optional clauses drawn
+# by a surface RNG). A few articles retell an earlier article's event with a new
+# surface: near-duplicates that the leak guard has to catch, as in real news.
+
+
+@dataclass(frozen=True)
+class Ent:
+    name: str
+    type: str  # person, company, city, region, team, party, court, university, journal, product, storm, agency, council, drug
+
+
+@dataclass(frozen=True)
+class Qty:
+    text: str  # as written in the article: "$4.2 billion", "12%", "3,400 jobs", "3-1"
+    amount: float | int | None  # normalised: dollars, percent points, a count; None for scores
+    unit: str  # "usd", "percent", "score", "number" or the counted noun ("jobs")
+
+
+@dataclass(frozen=True)
+class When:
+    text: str  # "March 3, 2024", "March 2024" or "2024"
+    y: int
+    m: int | None = None
+    d: int | None = None
+
+
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
+          "October", "November", "December"]
+_MONTH_DAYS = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
+
+
+def when(y: int, m: int | None = None, d: int | None = None) -> When:
+    if m is None:
+        return When(str(y), y)
+    if d is None:
+        return When(f"{MONTHS[m - 1]} {y}", y, m)
+    return When(f"{MONTHS[m - 1]} {d}, {y}", y, m, d)
+
+
+def _strip0(s: str) -> str:
+    return s[:-2] if s.endswith(".0") else s
+
+
+def money(amount: int) -> Qty:
+    """$4.2 billion, $850 million, $12.5 million, $1,299. Amounts are whole dollars."""
+    if amount >= 10**9:
+        text = f"${_strip0(f'{amount / 1e9:.1f}')} billion"
+    elif amount >= 10**6:
+        m = amount / 1e6
+        text = f"${round(m)} million" if m >= 100 else f"${_strip0(f'{m:.1f}')} million"
+    else:
+        text = f"${amount:,}"
+    return Qty(text, parse_money(text), "usd")
+
+
+def parse_money(text: str) -> int:
+    m = re.fullmatch(r"\$\s?([\d,]+(?:\.\d+)?)(?:\s(million|billion|trillion))?", text.strip())
+    if not m:
+        raise ValueError(f"not a money amount: {text!r}")
+    scale = {"million": 10**6, "billion": 10**9, "trillion": 10**12, None: 1}[m.group(2)]
+    return int(Decimal(m.group(1).replace(",", "")) * scale)
+
+
+def percent(p: float, style: str = "%") -> Qty:
+    s = _strip0(f"{p:.1f}")
+    return Qty(f"{s}%" if style == "%" else f"{s} percent", float(s), "percent")
+
+
+def count(n: int, noun: str | None = None, unit: str | None = None) -> Qty:
+    """3,400 jobs. `noun` is written after the number; `unit` is what is counted."""
+    return Qty(f"{n:,} {noun}" if noun else f"{n:,}", n, unit or noun or "number")
+
+
+def score(a: int, b: int) -> Qty:
+    return Qty(f"{a}-{b}", None, "score")
+
+
+# --- names -----------------------------------------------------------------
+# Fixed pools (independent of the seed), so the world has one cast and the
+# oracle one lexicon. Names are fictional and ASCII; several hundred of each
+# kind, most of them several tokens long for a small BPE.
+
+_FIRST = ("Maria James Aisha Chen Olga Rahul Fatima Lucas Ingrid Kwame Sofia Daniel Mei Omar Elena Tomas "
+          "Priya Hannah Diego Yuki Amara Viktor Leila Samuel Nadia Felix Grace Mateo Zara Henrik Ana Marcus "
+          "Ines Kofi Sara Pavel Lina Jonas Rosa Ethan Aiko Tariq Clara Bruno Esther Ivan Maya Rafael Noor "
+          "Oscar Helena Idris Julia Kenji Laura Mikhail Nina Pablo Ruth Stefan Thandiwe Umar Vera Wei Ximena "
+          "Yusuf Zofia Adrian Beatriz Carlos Dalia Emeka Freya Gideon Hiroshi Imani Joaquin").split()
+_LAST = ("Okafor Lindqvist Moreau Tanaka Kowalski Haddad Brennan Castillo Novak Mensah Petrov Alvarez "
+         "Nakamura Osei Fischer Rahman Duarte Abara Svensson Whitfield Marchetti Iqbal Volkova Adeyemi "
+         "Holloway Ferreira Chowdhury Lambert Nguyen Quinlan Rossi Sato Takahashi Varga Weber Yilmaz Zhang "
+         "Baptiste Carvalho Dimitrov Eriksen Gallagher Horvat Ivanova Jansen Kaur Lopez Mbeki Navarro Ortiz "
+         "Reyes Schmidt Torres Valdez Achebe Bergstrom Cruz Delacroix Esposito Farouk Hussain Jovanovic "
+         "Kiplagat Lachance Morales Nilsen Pereira Qureshi Romero Sokolov Thorne Umeh Vasquez Wallace "
+         "Oyelaran Halvorsen Mirzaei Castellanos").split()
+_ROOTS = ("Apex Borealis Cobalt Driftwood Ember Fairhaven Granite Helix Ironbridge Juniper Keystone Lumen "
+          "Meridian Northwind Orion Pinnacle Quarry Redwood Summit Tidewater Umbra Vantage Westbrook Yarrow "
+          "Zenith Aurora Beacon Crescent Evergreen Foxglove Harborline Indigo Kestrel Larkspur Monarch Nimbus "
+          "Oakridge Polaris Quill Riverstone Sable Talon Valiant Willowmere Ashford Bramble Corvid Halcyon "
+          "Solstice Tessellate").split()
+_SECTORS = ("Holdings Group Systems Labs Energy Pharmaceuticals Motors Foods Airlines Networks Robotics "
+            "Materials Media Logistics Semiconductors Insurance Retail Biotech Telecom Mining").split()
+_FIRMS = "Capital Securities Partners Advisors Ventures".split()
+_PLACE_PRE = "Port North South East West New Lake Fort Mount Glen".split()
+_PLACE_BASE = ("Alder Brook Carver Dunmore Elmstead Fairfield Greyhaven Hollis Ivybridge Kingsley Larchmont "
+               "Marlow Norbury Oakham Pembrook Quincy Rosedale Stanton Thornbury Upton Verity Whitby Yardley "
+               "Ashby Bexley Calder Denholm Easton Farrow Gilmore Harwick Inglewood Kessling Linford Moorcroft "
+               "Netherby Orrington Penhallow Redmere Saltash").split()
+_REGIONS = ("Calvaria Norland Estmere Valdoria Ostrava Brenland Caldera Dunmark Elvaria Farhold Greymoor "
+            "Hestia Istria Jorvale Kalmera Lorensa Marrowind Nordhaven Oberland Pellamar Quessa Rovania "
+            "Sarentine Talmora Ulmstead Verano Westmarch Yselda Zarkova Amberly").split()
+_MASCOTS = "Falcons Rovers Comets Wolves Titans Harriers Rangers Mariners Pilots Stags Lions Hornets".split()
+_PARTIES = ["Progressive Alliance", "Civic Union", "Green Renewal Party", "Liberty Coalition", "Labour Front",
+            "National Reform Party", "Democratic Forum", "People's Movement", "Unity Party", "Centre League",
+            "Citizens' Party", "Rural Alliance", "Social Democrats", "Freedom Bloc"]
+_JOURNALS = ["Journal of Clinical Insight", "Annals of Applied Ecology", "Review of Materials Science",
+             "Bulletin of Public Health", "Journal of Cardiac Research", "Archives of Neurology Reports",
+             "Journal of Sleep Studies", "Annals of Infectious Disease", "Review of Nutrition Science",
+             "Journal of Metabolic Health", "Letters in Oncology", "Journal of Respiratory Care",
+             "Annals of Paediatric Medicine", "Journal of Vision Research", "Review of Genetic Medicine",
+             "Journal of Renal Medicine"]
+_AGENCIES = ["Emergency Management Agency", "National Weather Bureau", "Competition Authority",
+             "Securities Commission", "Health Research Council", "Civil Protection Office",
+             "Transport Safety Board", "Consumer Protection Board", "Science Foundation",
+             "Disaster Relief Service", "Energy Regulatory Office", "Medical Research Fund",
+             "Markets Authority", "Coastal Guard Service", "Infrastructure Bank"]
+_BRANDS = "Vela Orbit Pulse Quanta Lyra Nova Flux Echo Aria Zephyr Sonata Prism".split()
+_MODELS = "Pro Air Max Mini Go Ultra Edge Plus".split()
+_SYLL_A = "Vel Cor Zan Tri Max Lor Ben Dex Ful Ser Pra Qui Tol Nex Ram".split()
+_SYLL_B = "azine itrex omab ivir aprin oxil umide enta".split()
+_STORM_KIND = ["Storm", "Hurricane", "Cyclone", "Typhoon"]
+
+
+def _unique(rng: random.Random, make: Callable[[], str], n: int) -> list[str]:
+    out, seen = [], set()
+    while len(out) < n:
+        s = make()
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def pools() -> dict[str, tuple[str, ...]]:
+    """The world's cast by pool name (a pool's entities share a type, see `POOL_TYPE`)."""
+    r = seeded_rng("newsworld-cast", WORLD_VERSION)
+
+    def person() -> str:
+        mid = f" {r.choice('ABCDEFGHJKLMNPRSTW')}." if r.random() < 0.3 else ""
+        return f"{r.choice(_FIRST)}{mid} {r.choice(_LAST)}"
+
+    cities = [b for b in _PLACE_BASE] + _unique(r, lambda: f"{r.choice(_PLACE_PRE)} {r.choice(_PLACE_BASE)}", 200)
+    return {
+        "person": tuple(_unique(r, person, 900)),
+        "company": tuple(_unique(r, lambda: f"{r.choice(_ROOTS)} {r.choice(_SECTORS)}", 420)),
+        "firm": tuple(_unique(r, lambda: f"{r.choice(_ROOTS)} {r.choice(_FIRMS)}", 120)),
+        "city": tuple(cities),
+        "region": tuple(_REGIONS),
+        "team": tuple(_unique(r, lambda: f"{r.choice(_PLACE_BASE)} {r.choice(_MASCOTS)}", 240)),
+        "party": tuple(_PARTIES),
+        "court": tuple(_unique(r, lambda: r.choice([f"{r.choice(_PLACE_BASE)} District Court",
+                                                     f"{r.choice(_REGIONS)} Court of Appeals",
+                                                     f"{r.choice(_REGIONS)} Supreme Court"]), 90)),
+        "university": tuple(_unique(r, lambda: r.choice([f"University of {r.choice(_PLACE_BASE)}",
+                                                          f"{r.choice(_ROOTS)} Institute of Technology",
+                                                          f"{r.choice(_PLACE_BASE)} State University"]), 120)),
+        "journal": tuple(_JOURNALS),
+        "product": tuple(_unique(r, lambda: f"{r.choice(_BRANDS)} {r.choice(_MODELS)}", 80)),
+        "storm": tuple(_unique(r, lambda: f"{r.choice(_STORM_KIND)} {r.choice(_FIRST)}", 160)),
+        "agency": tuple(_AGENCIES),
+        "council": tuple(f"{b} City Council" for b in _PLACE_BASE),
+        "drug": tuple(_unique(r, lambda: f"{r.choice(_SYLL_A)}{r.choice(_SYLL_B)}", 90)),
+    }
+
+
+POOL_TYPE = {"firm": "company"}  # pools whose entities share another pool's type
+
+
+@functools.lru_cache(maxsize=1)
+def world_lexicon() -> dict[str, str]:
+    """Every name in the world's cast -> its entity type (for spotting extrinsic entities)."""
+    lex = {}
+    for pool, names in pools().items():
+        for n in names:
+            lex.setdefault(n, POOL_TYPE.get(pool, pool))
+    return lex
+
+
+class Cast:
+    """Draws an event's entities: distinct names, no two sharing a word (no 'Apex Labs' next to 'Apex Media')."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.used_words: set[str] = set()
+
+    def take(self, pool: str) -> Ent:
+        names = pools()[pool]
+        for _ in range(200):
+            name = self.rng.choice(names)
+            ws = {w for w in name.replace(".", " ").split() if len(w) > 2 and w not in _SHARED_NAME_WORDS}
+            if not ws & self.used_words:
+                self.used_words |= ws
+                return Ent(name, POOL_TYPE.get(pool, pool))
+        raise RuntimeError(f"cast pool {pool!r} exhausted")  # cannot happen with pools this size
+
+
+# Words many names share; sharing them does not make two names confusable.
+_SHARED_NAME_WORDS = frozenset("University State Institute Technology District Court Appeals Supreme City Council "
+                               "Storm Hurricane Cyclone Typhoon Journal Annals Review Bulletin Archives Letters "
+                               "Research Medicine Science Health".split())
+
+
+# --- predicates -------------------------------------------------------------
+# A predicate class has surface forms (affirmative, negated); a conflicting
+# class gives the "wrong predicate" error (rose -> fell). The oracle spots a
+# class by these forms (plus a few detection-only words).
+
+PREDICATES: dict[str, list[tuple[str, str]]] = {
+    "rise": [("rose", "did not rise"), ("climbed", "did not climb"), ("grew", "did not grow"),
+             ("increased", "did not increase")],
+    "fall": [("fell", "did not fall"), ("declined", "did not decline"), ("dropped", "did not drop"),
+             ("slipped", "did not slip")],
+    "buy": [("agreed to acquire", "did not agree to acquire"), ("agreed to buy", "did not agree to buy")],
+    "sell": [("agreed to sell", "did not agree to sell"), ("agreed to divest", "did not agree to divest")],
+    "win": [("won", "did not win")],
+    "lose": [("lost", "did not lose")],
+    "beat": [("beat", "did not beat"), ("defeated", "did not defeat")],
+    "lose_to": [("lost to", "did not lose to"), ("fell to", "did not fall to")],
+    "rule_for": [("ruled in favour of", "did not rule in favour of"), ("sided with", "did not side with")],
+    "rule_against": [("ruled against", "did not rule against")],
+    "launch": [("launched", "did not launch"), ("unveiled", "did not unveil")],
+    "cancel": [("cancelled", "did not cancel"), ("scrapped", "did not scrap")],
+    "reduce": [("reduced", "did not reduce"), ("lowered", "did not lower")],
+    "increase": [("increased", "did not increase"), ("raised", "did not raise")],
+    "cut": [("will cut", "will not cut"), ("plans to cut", "does not plan to cut")],
+    "add": [("will add", "will not add"), ("plans to add", "does not plan to add")],
+    "approve": [("approved", "did not approve"), ("backed", "did not back")],
+    "reject": [("rejected", "did not reject"), ("voted down", "did not vote down")],
+    "appeal": [("will appeal", "will not appeal"), ("plans to appeal", "does not plan to appeal")],
+    "kill": [("killed", "did not kill"), ("claimed the lives of", "did not claim the lives of")],
+    "hit": [("hit", "did not hit"), ("struck", "did not strike")],
+    "require": [("requires", "does not require"), ("needs", "does not need")],
+    "play": [("played", "did not play")],
+    "raise": [("raised", "did not raise"), ("secured", "did not secure")],
+}
+CONFLICT = {"rise": "fall", "fall": "rise", "buy": "sell", "sell": "buy", "win": "lose", "lose": "win",
+            "beat": "lose_to", "lose_to": "beat", "rule_for": "rule_against", "rule_against": "rule_for",
+            "launch": "cancel", "cancel": "launch", "reduce": "increase", "increase": "reduce",
+            "cut": "add", "add": "cut", "approve": "reject", "reject": "approve"}
+# Extra words that signal a class without being a verb form the generator writes.
+_PRED_EXTRA = {"rise": ("up",), "fall": ("down",)}
+_NEGATION = re.compile(r"\b(?:not|never|no longer)\b|n't\b", re.I)
+
+
+def verb(pred: str, polarity: bool, rng: random.Random) -> str:
+    past, neg = rng.choice(PREDICATES[pred])
+    return past if polarity else neg
+
+
+# ===========================================================================
+# 3. The news world: event families
+# ===========================================================================
+#
+# A family is declarative: a `make(rng)` that draws an event (role -> `_F`), the
+# cue words that identify each role's claim in any sentence, article sentence
+# specs and summary units. Templates use `{role.attr}` slots (attr: subj, obj,
+# other, value, date, verb, or an extra such as office) and optional clauses
+# `[role: text]` that state another role when included.
+#
+# Cue discipline (what keeps the oracle exact): a distractor that shares a
+# subject and a unit with a key fact carries a cue group of its own ("a year
+# earlier", "rival", "previous round") that no summary unit uses, so a summary
+# sentence that copies the distractor's number is still read as a claim about
+# the key fact, and flagged.
+
+
+@dataclass
+class _F:
+    """A fact while an event is being drawn (serialised as a fact-table dict)."""
+    subj: Ent | None
+    obj: Ent | None = None
+    other: Ent | None = None
+    value: Qty | None = None
+    date: When | None = None
+    pred: str | None = None  # predicate class (PREDICATES), written through {role.verb}
+    polarity: bool = True  # False: the article states the negation ("will not appeal")
+    extra: dict = field(default_factory=dict)  # plain-text attributes, not checked (office, project)
+
+
+@dataclass(frozen=True)
+class Sent:
+    roles: tuple[str, ...]  # the roles this sentence states (optional clauses may add more)
+    templates: tuple[str, ...]
+    distractor: bool = False  # reuses the event's entities/numbers in another role
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    roles: tuple[str, ...]
+    templates: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    make: Callable[[random.Random], dict[str, _F]]
+    cues: dict[str, tuple[tuple[str, ...], ...]]  # role -> groups; each group must be matched
+    lead: tuple[Sent, ...]  # one of these opens the article
+    body: tuple[Sent, ...]
+    units: tuple[Unit, ...]  # units[0] opens every summary
+
+
+def S(roles: str, *templates: str, distractor: bool = False) -> Sent:
+    return Sent(tuple(roles.split()), templates, distractor)
+
+
+def U(name: str, roles: str, *templates: str) -> Unit:
+    return Unit(name, tuple(roles.split()), templates)
+
+
+def C(*groups: str) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(g.split("|")) for g in groups)
+
+
+class _Vals:
+    """Draws an event's numbers and dates; no two with the same text, so every role is identifiable."""
+
+    def __init__(self, r: random.Random):
+        self.r = r
+        self.seen: set[str] = set()
+        self.pct_style = "%" if r.random() < 0.7 else "percent"
+
+    def _new(self, make: Callable[[], Qty | When]):
+        for _ in range(100):
+            q = make()
+            if q.text not in self.seen:
+                self.seen.add(q.text)
+                return q
+        raise RuntimeError("could not draw a distinct value")  # cannot happen with these ranges
+
+    def big_money(self, lo_b: float = 1.2, hi_b: float = 48.0) -> Qty:
+        r = self.r
+        return self._new(lambda: money(r.randint(int(lo_b * 10), int(hi_b * 10)) * 10**8) if r.random() < 0.6
+                         else money(r.randint(12, 98) * 10 * 10**6))
+
+    def millions(self, lo: int, hi: int) -> Qty:
+        r = self.r
+        return self._new(lambda: money(r.randint(lo * 10, hi * 10) * 10**5 if r.random() < 0.3
+                                       else r.randint(lo, hi) * 10**6))
+
+    def near(self, q: Qty, lo: float, hi: float) -> Qty:
+        r = self.r
+        return self._new(lambda: money(int(round(q.amount * r.uniform(lo, hi)))))
+
+    def dollars(self, lo: int, hi: int) -> Qty:
+        r = self.r
+        return self._new(lambda: money(r.randint(lo // 100, hi // 100) * 100 - 1))
+
+    def pct(self, lo: float, hi: float) -> Qty:
+        r = self.r
+        return self._new(lambda: percent(r.randint(int(lo * 10), int(hi * 10)) / 10 if r.random() < 0.3
+                                         else r.randint(int(lo), int(hi)), self.pct_style))
+
+    def count(self, lo: int, hi: int, noun: str | None, unit: str | None = None, step: int = 10) -> Qty:
+        r = self.r
+        return self._new(lambda: count(r.randint(lo // step, hi // step) * step, noun, unit))
+
+    def small(self, lo: int, hi: int, noun: str) -> Qty:
+        r = self.r
+        return self._new(lambda: count(r.randint(lo, hi), noun))
+
+    def date(self, y: int, m: int | None = None, day: bool = True) -> When:
+        r = self.r
+        return self._new(lambda: when(y, m or r.randint(1, 12), r.randint(1, 28) if day else None))
+
+    def year(self, lo: int, hi: int) -> When:
+        r = self.r
+        return self._new(lambda: when(r.randint(lo, hi)))
+
+
+# --- earnings --------------------------------------------------------------
+
+def _make_earnings(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    c, rival, ceo, an, bank, city = (cast.take(p) for p in ("company", "company", "person", "person", "firm", "city"))
+    y = r.randint(2016, 2029)
+    qm, qd = r.choice([(3, 31), (6, 30), (9, 30), (12, 31)])
+    rev = v.big_money()
+    growth = v.pct(2, 28)
+    up = r.random() < 0.75
+    exact = rev.amount / (1 + growth.amount / 100 if up else 1 - growth.amount / 100)
+    tries = iter(range(1000))
+    # The exact prior can print like a value already drawn (same rounded text):
+    # then a value within 3% keeps the story coherent and every value distinct.
+    prior = v._new(lambda: money(int(round(exact if next(tries) == 0 else exact * r.uniform(0.97, 1.03)))))
+    return {
+        "rev": _F(c, value=rev, date=v._new(lambda: when(y, qm, qd))),
+        "growth": _F(c, value=growth, pred="rise" if up else "fall"),
+        "prior": _F(c, value=prior, date=v._new(lambda: when(y - 1, qm, qd))),
+        "est": _F(c, value=v.near(rev, 0.9, 1.1)),
+        "rival": _F(rival, value=v.near(rev, 0.4, 1.6)),
+        "profit": _F(c, value=v.near(rev, 0.04, 0.2)),
+        "guidance": _F(c, value=v.near(rev, 3.6, 4.6), date=v._new(lambda: when(y + 1))),
+        "jobs": _F(c, value=v.count(200, 6000, "jobs"), pred="cut" if r.random() < 0.6 else "add"),
+        "shares": _F(c, value=v.pct(1, 15), pred=r.choice(["rise", "fall"])),
+        "ceo": _F(ceo, obj=c),
+        "analyst": _F(an, obj=bank),
+        "hq": _F(c, obj=city),
+        "founded": _F(c, date=v.year(1990, 2012)),
+    }
+
+
+EARNINGS = Family(
+    "earnings", _make_earnings,
+    cues={
+        "rev": C("revenue|sales", "quarter|quarterly|period|three months"),
+        "growth": C("revenue|sales"),
+        "prior": C("revenue|sales", "a year earlier|a year ago|previous year"),
+        "est": C("analysts", "expected"),
+        "rival": C("rival"),
+        "profit": C("net profit|net income"),
+        "guidance": C("expects|outlook"),
+        "jobs": C("jobs"),
+        "shares": C("shares"),
+        "ceo": C("chief executive"),
+        "analyst": C("analyst"),
+        "hq": C("based|headquartered"),
+        "founded": C("founded"),
+    },
+    lead=(
+        S("rev growth",
+          "{rev.subj}[hq:, which is based in {hq.obj},] reported revenue of {rev.value} for the quarter ended "
+          "{rev.date}, as sales {growth.verb} {growth.value}.",
+          "Revenue at {rev.subj} {growth.verb} {growth.value} to {rev.value} in the quarter ended {rev.date}"
+          "[hq:, the {hq.obj}-based company said].",
+          "In the three months to {rev.date}, sales at {rev.subj} {growth.verb} {growth.value} to {rev.value}."),
+    ),
+    body=(
+        S("profit", "{profit.subj} said net profit came to {profit.value}.",
+          "Net profit reached {profit.value}, the company said."),
+        S("prior", "A year earlier, {prior.subj} had reported revenue of {prior.value} for the quarter ended "
+                   "{prior.date}.",
+          "That compares with revenue of {prior.value} in the quarter ended {prior.date}, a year earlier.",
+          distractor=True),
+        S("est", "Analysts had expected revenue of {est.value}.",
+          "The result compared with the {est.value} that analysts had expected.", distractor=True),
+        S("rival", "Rival {rival.subj} reported revenue of {rival.value} for the same period.",
+          "{rival.subj}, its closest rival, posted revenue of {rival.value} last week.", distractor=True),
+        S("jobs", "{jobs.subj} {jobs.verb} {jobs.value} over the next two years.",
+          "{jobs.subj} also said it {jobs.verb} {jobs.value}."),
+        S("shares", "Shares of {shares.subj} {shares.verb} {shares.value} in early trading.",
+          "{shares.subj} shares {shares.verb} {shares.value} after the results were published."),
+        S("guidance", "{guidance.subj} expects revenue of {guidance.value} for {guidance.date}.",
+          "For {guidance.date}, the company expects revenue of about {guidance.value}."),
+        S("ceo", "\"Demand was strong in every region,\" said {ceo.subj}, chief executive of {ceo.obj}.",
+          "{ceo.subj}, the chief executive of {ceo.obj}, said the company would keep investing in new products."),
+        S("analyst", "{analyst.subj}, an analyst at {analyst.obj}, said the results were better than many "
+                     "investors had feared."),
+        S("founded", "{founded.subj} was founded in {founded.date}[hq: and is based in {hq.obj}].",
+          "Founded in {founded.date}, {founded.subj} makes most of its money abroad."),
+    ),
+    units=(
+        U("lead", "rev growth",
+          "{rev.subj} reported revenue of {rev.value} for the quarter ended {rev.date}, as sales {growth.verb} "
+          "{growth.value}.",
+          "Revenue at {rev.subj} {growth.verb} {growth.value} to {rev.value} in the quarter ended {rev.date}.",
+          "Quarterly revenue at {rev.subj} {growth.verb} {growth.value} to {rev.value} in the period ended "
+          "{rev.date}."),
+        U("profit", "profit", "{profit.subj} reported a net profit of {profit.value}.",
+          "Net profit at {profit.subj} came to {profit.value}."),
+        U("jobs", "jobs", "{jobs.subj} {jobs.verb} {jobs.value} over the next two years.",
+          "{jobs.subj} said it {jobs.verb} {jobs.value}."),
+        U("guidance", "guidance", "{guidance.subj} expects revenue of {guidance.value} for {guidance.date}.",
+          "For {guidance.date}, {guidance.subj} expects revenue of about {guidance.value}."),
+        U("shares", "shares", "Shares of {shares.subj} {shares.verb} {shares.value} after the report.",
+          "{shares.subj} shares {shares.verb} {shares.value} after the results."),
+    ),
+)
+
+
+# --- acquisitions ----------------------------------------------------------
+
+def _make_acquisition(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    a, t, bidder, past_t = (cast.take("company") for _ in range(4))
+    ceo_a, ceo_t, agency, city = cast.take("person"), cast.take("person"), cast.take("agency"), cast.take("city")
+    y = r.randint(2016, 2029)
+    price = v.big_money(1.5, 60)
+    return {
+        "deal": _F(a, obj=t, value=price, date=v.date(y), pred="buy"),
+        "premium": _F(a, obj=t, value=v.pct(12, 60)),
+        "close": _F(a, obj=t, date=v._new(lambda: when(y + 1, r.randint(1, 12)))),
+        "staff": _F(t, value=v.count(800, 40000, "employees")),
+        "bid": _F(bidder, obj=t, value=v.near(price, 0.7, 0.95), date=v._new(lambda: when(y - 1, r.randint(1, 12)))),
+        "past": _F(a, obj=past_t, value=v.near(price, 0.1, 0.6), date=v.year(y - 8, y - 2)),
+        "reg": _F(a, obj=agency, pred="require", polarity=r.random() < 0.6),
+        "ceo_a": _F(ceo_a, obj=a),
+        "ceo_t": _F(ceo_t, obj=t),
+        "hq": _F(t, obj=city),
+        "shares_t": _F(t, value=v.pct(5, 40), pred="rise"),
+    }
+
+
+ACQUISITION = Family(
+    "acquisition", _make_acquisition,
+    cues={
+        "deal": C("acquire|buy|sell|divest"),
+        "premium": C("premium"),
+        "close": C("close"),
+        "staff": C("employees"),
+        "bid": C("bid|offered"),
+        "past": C("previously"),
+        "reg": C("approval"),
+        "ceo_a": C("chief executive"),
+        "ceo_t": C("founded|founder"),
+        "hq": C("based|headquartered"),
+        "shares_t": C("shares"),
+    },
+    lead=(
+        S("deal", "{deal.subj} {deal.verb} {deal.obj}[hq:, which is based in {hq.obj},] for {deal.value} on "
+                  "{deal.date}.",
+          "On {deal.date}, {deal.subj} {deal.verb} {deal.obj} for {deal.value}[hq:, adding a business based in "
+          "{hq.obj}]."),
+    ),
+    body=(
+        S("premium", "The price is a premium of {premium.value} to the last closing price of {premium.obj}.",
+          "{premium.subj} is paying a premium of {premium.value} for {premium.obj}."),
+        S("close", "The deal for {close.obj} is expected to close in {close.date}.",
+          "{close.subj} expects the purchase of {close.obj} to close in {close.date}."),
+        S("staff", "{staff.subj} employs {staff.value}[hq: and is based in {hq.obj}].",
+          "The deal brings {staff.value} from {staff.subj} into the group."),
+        S("bid", "{bid.subj} had made a rival bid of {bid.value} for {bid.obj} in {bid.date}.",
+          "In {bid.date}, {bid.subj} offered {bid.value} for {bid.obj}, a bid that was turned down.",
+          distractor=True),
+        S("past", "{past.subj} previously bought {past.obj} for {past.value} in {past.date}.",
+          "In {past.date}, {past.subj} had previously paid {past.value} for {past.obj}.", distractor=True),
+        S("reg", "The deal {reg.verb} approval from the {reg.obj}.",
+          "The transaction {reg.verb} the approval of the {reg.obj}."),
+        S("ceo_a", "\"This is a natural fit for both companies,\" said {ceo_a.subj}, chief executive of {ceo_a.obj}.",
+          "{ceo_a.subj}, chief executive of {ceo_a.obj}, called the deal a natural fit."),
+        S("ceo_t", "{ceo_t.subj}, who founded {ceo_t.obj}, will stay on to run the business.",
+          "{ceo_t.obj} founder {ceo_t.subj} is expected to stay on."),
+        S("shares_t", "Shares of {shares_t.subj} {shares_t.verb} {shares_t.value} on the news.",
+          "{shares_t.subj} shares {shares_t.verb} {shares_t.value} after the announcement."),
+    ),
+    units=(
+        U("lead", "deal", "{deal.subj} {deal.verb} {deal.obj} for {deal.value} on {deal.date}.",
+          "On {deal.date}, {deal.subj} {deal.verb} {deal.obj} for {deal.value}."),
+        U("premium", "premium", "{premium.subj} is paying a premium of {premium.value} for {premium.obj}."),
+        U("close", "close", "The deal for {close.obj} is expected to close in {close.date}."),
+        U("staff", "staff", "{staff.subj} employs {staff.value}."),
+        U("reg", "reg", "The deal {reg.verb} approval from the {reg.obj}."),
+        U("shares_t", "shares_t", "Shares of {shares_t.subj} {shares_t.verb} {shares_t.value} on the news."),
+    ),
+)
+
+
+# --- elections -------------------------------------------------------------
+
+def _make_election(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    w, loser, prev = cast.take("person"), cast.take("person"), cast.take("person")
+    party_w, party_l = cast.take("party"), cast.take("party")
+    place = cast.take("city") if r.random() < 0.6 else cast.take("region")
+    office = f"{'mayor' if place.type == 'city' else 'governor'} of {place.name}"
+    y = r.randint(2016, 2030)
+    share_w = v.pct(41, 68)
+    return {
+        "win": _F(w, obj=place, value=share_w, date=v.date(y), pred="win", extra={"office": office}),
+        "votes": _F(w, value=v.count(12000, 900000, "votes", step=1)),
+        "loser": _F(loser, obj=party_l, value=v.pct(20, min(40.0, share_w.amount - 1))),
+        "turnout": _F(place, value=v.pct(35, 80)),
+        "party": _F(w, obj=party_w),
+        "prev": _F(prev, obj=place, date=v.year(y - 16, y - 5)),
+        "prior": _F(loser, value=v.pct(25, 60), date=v._new(lambda: when(y - 4))),
+        "pledge": _F(w, value=v.count(1000, 50000, "new homes", "homes", step=100)),
+        "sworn": _F(w, date=v.date(y)),
+    }
+
+
+ELECTION = Family(
+    "election", _make_election,
+    cues={
+        "win": C("race|election"),
+        "votes": C("votes"),
+        "loser": C("second|runner-up"),
+        "turnout": C("turnout"),
+        "party": C("candidate"),
+        "prev": C("held"),
+        "prior": C("previous election"),
+        "pledge": C("pledged|promised"),
+        "sworn": C("sworn"),
+    },
+    lead=(
+        S("win", "{win.subj} {win.verb} the race for {win.office} on {win.date} with {win.value} of the vote.",
+          "{win.subj}[party:, the {party.obj} candidate,] {win.verb} the election for {win.office} on {win.date}, "
+          "taking {win.value} of the vote."),
+    ),
+    body=(
+        S("votes", "{votes.subj} received {votes.value}, according to official results.",
+          "Official results gave {votes.subj} {votes.value}."),
+        S("loser", "{loser.subj} of the {loser.obj} finished second with {loser.value}.",
+          "The runner-up, {loser.subj} of the {loser.obj}, took {loser.value}."),
+        S("turnout", "Turnout in {turnout.subj} was {turnout.value}, election officials said.",
+          "Officials put turnout in {turnout.subj} at {turnout.value}."),
+        S("party", "{party.subj} ran as the {party.obj} candidate."),
+        S("prev", "{prev.subj}, who had held the post since {prev.date}, is retiring.",
+          "The post had been held by {prev.subj} since {prev.date}."),
+        S("prior", "In the previous election, in {prior.date}, {prior.subj} won {prior.value} of the vote.",
+          "{prior.subj} had taken {prior.value} in the previous election in {prior.date}.", distractor=True),
+        S("pledge", "During the campaign, {pledge.subj} promised to build {pledge.value}.",
+          "{pledge.subj} has pledged to build {pledge.value}."),
+        S("sworn", "{sworn.subj} will be sworn in on {sworn.date}.",
+          "{sworn.subj} is due to be sworn in on {sworn.date}."),
+    ),
+    units=(
+        U("lead", "win",
+          "{win.subj} {win.verb} the race for {win.office} on {win.date} with {win.value} of the vote.",
+          "On {win.date}, {win.subj} {win.verb} the election for {win.office} with {win.value} of the vote."),
+        U("loser", "loser", "{loser.subj} finished second with {loser.value}."),
+        U("votes", "votes", "{votes.subj} received {votes.value}."),
+        U("turnout", "turnout", "Turnout in {turnout.subj} was {turnout.value}."),
+        U("pledge", "pledge", "{pledge.subj} has pledged to build {pledge.value}."),
+        U("sworn", "sworn", "{sworn.subj} will be sworn in on {sworn.date}."),
+    ),
+)
+
+
+# --- sports results ----------------------------------------------------------
+
+def _make_sports(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    home, away = cast.take("team"), cast.take("team")
+    star, hurt, coach, venue = cast.take("person"), cast.take("person"), cast.take("person"), cast.take("city")
+    y = r.randint(2016, 2030)
+    if r.random() < 0.5:  # football
+        h = r.randint(2, 5)
+        res, prev = score(h, r.randint(0, h - 1)), score(r.randint(3, 5), r.randint(0, 2))
+        scored = count(r.randint(2, min(h, 3)), "goals")
+    else:  # basketball
+        h = r.randint(85, 130)
+        res, prev = score(h, h - r.randint(1, 20)), score(r.randint(100, 125), r.randint(80, 99))
+        scored = count(r.randint(18, 45), "points")
+    return {
+        "result": _F(home, obj=away, value=res, date=v.date(y), pred="beat"),
+        "scorer": _F(star, obj=home, value=scored),
+        "crowd": _F(home, value=v.count(8000, 80000, None, "spectators")),
+        "venue": _F(home, obj=venue),
+        "season": _F(home, value=v.small(5, 30, "wins")),
+        "prev": _F(away, obj=home, value=prev, date=v._new(lambda: when(y - 1))),
+        "coach": _F(coach, obj=home),
+        "injury": _F(hurt, obj=away, pred="play", polarity=False),
+    }
+
+
+SPORTS = Family(
+    "sports", _make_sports,
+    cues={
+        "result": C("beat|defeat|defeated|lost to|fell to|lose to|fall to"),
+        "scorer": C("scored"),
+        "crowd": C("crowd"),
+        "venue": C("played in|hosted"),
+        "season": C("this season"),
+        "prev": C("previous meeting"),
+        "coach": C("coach|coaches"),
+        "injury": C("injury"),
+    },
+    lead=(
+        S("result", "{result.subj} {result.verb} {result.obj} {result.value} on {result.date}[venue:, in a game "
+                    "played in {venue.obj}].",
+          "On {result.date}, {result.subj} {result.verb} {result.obj} {result.value}."),
+    ),
+    body=(
+        S("scorer", "{scorer.subj} scored {scorer.value} for {scorer.obj}.",
+          "{scorer.obj} were led by {scorer.subj}, who scored {scorer.value}."),
+        S("crowd", "A crowd of {crowd.value} watched the game.", "The game drew a crowd of {crowd.value}."),
+        S("venue", "{venue.subj} hosted the game in {venue.obj}.", "The game was played in {venue.obj}."),
+        S("season", "The result gives {season.subj} {season.value} this season.",
+          "{season.subj} now have {season.value} this season."),
+        S("prev", "{prev.subj} had won the previous meeting {prev.value} in {prev.date}.",
+          "In the previous meeting, in {prev.date}, {prev.subj} beat {prev.obj} {prev.value}.", distractor=True),
+        S("coach", "\"We showed real belief tonight,\" said {coach.subj}, the coach of {coach.obj}.",
+          "{coach.subj}, who coaches {coach.obj}, praised the defence."),
+        S("injury", "{injury.subj} {injury.verb} for {injury.obj} because of an injury.",
+          "{injury.obj} were without {injury.subj}, who {injury.verb} because of an injury."),
+    ),
+    units=(
+        U("lead", "result", "{result.subj} {result.verb} {result.obj} {result.value} on {result.date}.",
+          "On {result.date}, {result.subj} {result.verb} {result.obj} {result.value}."),
+        U("scorer", "scorer", "{scorer.subj} scored {scorer.value} for {scorer.obj}."),
+        U("crowd", "crowd", "A crowd of {crowd.value} watched the game."),
+        U("season", "season", "{season.subj} now have {season.value} this season."),
+        U("injury", "injury", "{injury.subj} {injury.verb} for {injury.obj} because of an injury."),
+    ),
+)
+
+
+# --- court rulings -----------------------------------------------------------
+
+def _make_court(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    court, plaintiff, defendant, judge = cast.take("court"), cast.take("company"), cast.take("company"), cast.take("person")
+    y = r.randint(2016, 2030)
+    damages = v.millions(5, 900)
+    return {
+        "ruling": _F(court, obj=plaintiff, other=defendant, date=v.date(y),
+                     pred="rule_for" if r.random() < 0.8 else "rule_against"),
+        "damages": _F(defendant, obj=plaintiff, value=damages),
+        "judge": _F(judge, obj=court),
+        "appeal": _F(defendant, pred="appeal", polarity=r.random() < 0.6),
+        "lower": _F(plaintiff, value=v.near(damages, 0.3, 0.8), date=v.year(y - 5, y - 1)),
+        "sought": _F(plaintiff, value=v.near(damages, 1.5, 4.0)),
+        "filed": _F(plaintiff, obj=defendant, date=v.year(y - 9, y - 2)),
+        "patents": _F(plaintiff, value=v.small(2, 40, "patents")),
+    }
+
+
+COURT = Family(
+    "court", _make_court,
+    cues={
+        "ruling": C("ruled|sided|rule|side"),
+        "damages": C("damages"),
+        "judge": C("judge"),
+        "appeal": C("appeal"),
+        "lower": C("lower court"),
+        "sought": C("sought|asked for"),
+        "filed": C("filed"),
+        "patents": C("patents"),
+    },
+    lead=(
+        S("ruling", "{ruling.subj} {ruling.verb} {ruling.obj} in its case against {ruling.other} on {ruling.date}.",
+          "On {ruling.date}, {ruling.subj} {ruling.verb} {ruling.obj} in a dispute with {ruling.other}."),
+    ),
+    body=(
+        S("damages", "{damages.subj} was ordered to pay {damages.value} in damages to {damages.obj}.",
+          "The court ordered {damages.subj} to pay {damages.obj} {damages.value} in damages."),
+        S("judge", "Judge {judge.subj} wrote the decision for {judge.obj}.",
+          "The decision was written by Judge {judge.subj} of {judge.obj}."),
+        S("appeal", "{appeal.subj} said it {appeal.verb} the decision.",
+          "{appeal.subj} {appeal.verb} the decision, a spokesperson said."),
+        S("lower", "A lower court had awarded {lower.subj} {lower.value} in {lower.date}.",
+          "In {lower.date}, a lower court had awarded {lower.value} to {lower.subj}.", distractor=True),
+        S("sought", "{sought.subj} had sought {sought.value}.",
+          "{sought.subj} had asked for {sought.value} in the lawsuit.", distractor=True),
+        S("filed", "{filed.subj} filed the lawsuit against {filed.obj} in {filed.date}.",
+          "The lawsuit was filed by {filed.subj} against {filed.obj} in {filed.date}."),
+        S("patents", "The case concerned {patents.value} held by {patents.subj}.",
+          "At issue were {patents.value} owned by {patents.subj}."),
+    ),
+    units=(
+        U("lead", "ruling",
+          "{ruling.subj} {ruling.verb} {ruling.obj} in its case against {ruling.other} on {ruling.date}.",
+          "On {ruling.date}, {ruling.subj} {ruling.verb} {ruling.obj} in its dispute with {ruling.other}."),
+        U("damages", "damages", "{damages.subj} was ordered to pay {damages.value} in damages to {damages.obj}."),
+        U("appeal", "appeal", "{appeal.subj} said it {appeal.verb} the decision."),
+        U("filed", "filed", "{filed.subj} filed the lawsuit against {filed.obj} in {filed.date}."),
+        U("patents", "patents", "The case concerned {patents.value} held by {patents.subj}."),
+    ),
+)
+
+
+# --- storms ------------------------------------------------------------------
+
+def _make_storm(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    storm, old_storm, city, official, agency = (cast.take(p) for p in ("storm", "storm", "city", "person", "agency"))
+    y = r.randint(2016, 2030)
+    deaths = v.small(3, 180, "people")
+    return {
+        "hit": _F(storm, obj=city, value=v.count(80, 180, "mph", step=5), date=v.date(y), pred="hit"),
+        "deaths": _F(storm, value=deaths, pred="kill"),
+        "evac": _F(storm, obj=city, value=v.count(2000, 250000, "residents", step=100)),
+        "damage": _F(storm, value=v.big_money(0.1, 12) if r.random() < 0.5 else v.millions(20, 900)),
+        "power": _F(storm, value=v.count(10000, 900000, "homes", step=100)),
+        "official": _F(official, obj=agency),
+        "past": _F(old_storm, value=v.small(5, 400, "people"), date=v.year(1990, y - 3)),
+        "aid": _F(agency, value=v.millions(5, 500)),
+    }
+
+
+STORM = Family(
+    "storm", _make_storm,
+    cues={
+        "hit": C("hit|struck|strike|winds"),
+        "deaths": C("killed|kill|killing|dead|lives"),
+        "evac": C("evacuated"),
+        "damage": C("damage"),
+        "power": C("power"),
+        "official": C("director"),
+        "past": C("since"),
+        "aid": C("aid"),
+    },
+    lead=(
+        S("hit", "{hit.subj} {hit.verb} {hit.obj} on {hit.date} with winds of {hit.value}.",
+          "With winds of {hit.value}, {hit.subj} {hit.verb} {hit.obj} on {hit.date}."),
+    ),
+    body=(
+        S("deaths", "The storm {deaths.verb} {deaths.value}, officials said.",
+          "Officials said {deaths.subj} {deaths.verb} {deaths.value}."),
+        S("evac", "More than {evac.value} were evacuated from {evac.obj}.",
+          "Authorities evacuated {evac.value} from {evac.obj} before the storm arrived."),
+        S("damage", "Insurers put the damage at {damage.value}.",
+          "{damage.subj} caused an estimated {damage.value} in damage."),
+        S("power", "About {power.value} were left without power.",
+          "Power was knocked out to {power.value} across the region."),
+        S("official", "{official.subj}, director of the {official.obj}, said rescue teams were working through "
+                      "the night."),
+        S("past", "It was the deadliest storm in the region since {past.date}, when {past.subj} killed {past.value}.",
+          "{past.subj} killed {past.value} in {past.date}, the worst toll in the region since records began.",
+          distractor=True),
+        S("aid", "The {aid.subj} released {aid.value} in emergency aid.",
+          "Emergency aid of {aid.value} was approved by the {aid.subj}."),
+    ),
+    units=(
+        U("lead", "hit", "{hit.subj} {hit.verb} {hit.obj} on {hit.date} with winds of {hit.value}.",
+          "On {hit.date}, {hit.subj} {hit.verb} {hit.obj} with winds of {hit.value}."),
+        U("deaths", "deaths", "{deaths.subj} {deaths.verb} {deaths.value}.", "The storm {deaths.verb} {deaths.value}."),
+        U("evac", "evac", "More than {evac.value} were evacuated from {evac.obj}."),
+        U("damage", "damage", "{damage.subj} caused an estimated {damage.value} in damage."),
+        U("power", "power", "About {power.value} were left without power."),
+    ),
+)
+
+
+# --- product launches ----------------------------------------------------------
+
+def _make_launch(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    c, product, rival, rival_product, ceo, city = (cast.take(p) for p in
+                                                   ("company", "product", "company", "product", "person", "city"))
+    y = r.randint(2016, 2030)
+    m = r.randint(1, 10)
+    return {
+        "launch": _F(c, obj=product, date=v.date(y, m), pred="launch"),
+        "price": _F(product, value=v.dollars(200, 2000)),
+        "orders": _F(c, value=v.count(20000, 2000000, "orders", step=1000)),
+        "battery": _F(product, value=v.small(8, 40, "hours")),
+        "rival": _F(rival, obj=rival_product, value=v.dollars(200, 2000)),
+        "prev": _F(c, value=v.dollars(200, 2000), date=v.year(y - 4, y - 1)),
+        "ceo": _F(ceo, obj=c),
+        "ship": _F(product, date=v.date(y, m + r.randint(1, 2))),
+        "factory": _F(c, obj=city),
+    }
+
+
+LAUNCH = Family(
+    "launch", _make_launch,
+    cues={
+        "launch": C("launched|unveiled|cancelled|scrapped|launch|unveil|cancel|scrap"),
+        "price": C("costs|priced"),
+        "orders": C("orders"),
+        "battery": C("battery"),
+        "rival": C("rival"),
+        "prev": C("previous model"),
+        "ceo": C("chief executive"),
+        "ship": C("on sale"),
+        "factory": C("plant|factory"),
+    },
+    lead=(
+        S("launch", "{launch.subj} {launch.verb} the {launch.obj} on {launch.date}[price:, priced at {price.value}].",
+          "On {launch.date}, {launch.subj} {launch.verb} its new {launch.obj}[factory:, which is built at a plant in "
+          "{factory.obj}]."),
+    ),
+    body=(
+        S("price", "The {price.subj} costs {price.value}.", "The {price.subj} is priced at {price.value}."),
+        S("orders", "{orders.subj} said it had received {orders.value} in the first week.",
+          "The company has taken {orders.value} so far."),
+        S("battery", "The {battery.subj} offers {battery.value} of battery life.",
+          "Battery life on the {battery.subj} reaches {battery.value}."),
+        S("rival", "Rival {rival.subj} sells its {rival.obj} for {rival.value}.",
+          "The {rival.obj} from rival {rival.subj} sells for {rival.value}.", distractor=True),
+        S("prev", "The previous model, released by {prev.subj} in {prev.date}, cost {prev.value}.",
+          "In {prev.date}, the previous model from {prev.subj} sold for {prev.value}.", distractor=True),
+        S("ceo", "\"This is the best device we have ever made,\" said {ceo.subj}, chief executive of {ceo.obj}.",
+          "{ceo.subj}, chief executive of {ceo.obj}, called it the company's most important product."),
+        S("ship", "The {ship.subj} goes on sale on {ship.date}.", "The {ship.subj} will be on sale from {ship.date}."),
+        S("factory", "{factory.subj} builds the device at a plant in {factory.obj}."),
+    ),
+    units=(
+        U("lead", "launch", "{launch.subj} {launch.verb} the {launch.obj} on {launch.date}.",
+          "On {launch.date}, {launch.subj} {launch.verb} the {launch.obj}."),
+        U("price", "price", "The {price.subj} costs {price.value}."),
+        U("orders", "orders", "{orders.subj} has received {orders.value}."),
+        U("battery", "battery", "The {battery.subj} offers {battery.value} of battery life."),
+        U("ship", "ship", "The {ship.subj} goes on sale on {ship.date}."),
+    ),
+)
+
+
+# --- research findings ------------------------------------------------------------
+
+_CONDITIONS = ["heart disease", "migraine", "type 2 diabetes", "asthma attacks", "stroke", "kidney failure",
+               "severe influenza", "liver disease", "hip fractures", "memory loss"]
+
+
+def _make_research(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    univ, lead, journal, drug, funder = (cast.take(p) for p in ("university", "person", "journal", "drug", "agency"))
+    cond = r.choice(_CONDITIONS).replace("type 2 ", "")  # no stray digits in the condition
+    y = r.randint(2016, 2030)
+    return {
+        "study": _F(univ, obj=journal, date=v.date(y)),
+        "finding": _F(drug, value=v.pct(10, 60), pred="reduce" if r.random() < 0.8 else "increase",
+                      extra={"condition": cond}),
+        "people": _F(univ, value=v.count(200, 12000, "participants")),
+        "months": _F(univ, value=v.small(6, 36, "months")),
+        "lead": _F(lead, obj=univ),
+        "earlier": _F(None, value=v.pct(5, 45), date=v.year(y - 10, y - 2), extra={"condition": cond}),
+        "funding": _F(funder, value=v.millions(2, 90)),
+        "side": _F(drug, value=v.pct(2, 20)),
+    }
+
+
+RESEARCH = Family(
+    "research", _make_research,
+    cues={
+        "study": C("study"),
+        "finding": C("risk"),
+        "people": C("participants"),
+        "months": C("months"),
+        "lead": C("led"),
+        "earlier": C("earlier study"),
+        "funding": C("funded|grant"),
+        "side": C("side effects"),
+    },
+    lead=(
+        S("study finding",
+          "A study by researchers at {study.subj}, published in the {study.obj} on {study.date}, found that "
+          "{finding.subj} {finding.verb} the risk of {finding.condition} by {finding.value}.",
+          "{finding.subj} {finding.verb} the risk of {finding.condition} by {finding.value}, according to a study "
+          "by {study.subj} published in the {study.obj} on {study.date}."),
+    ),
+    body=(
+        S("people months", "The trial followed {people.value} for {months.value}.",
+          "Researchers tracked {people.value} over {months.value}."),
+        S("lead", "The research was led by Dr. {lead.subj} of {lead.obj}.",
+          "Dr. {lead.subj}, who led the team at {lead.obj}, called the result encouraging."),
+        S("earlier", "An earlier study in {earlier.date} had found a {earlier.value} lower risk of "
+                     "{earlier.condition}.",
+          "In {earlier.date}, an earlier study had reported a risk reduction of {earlier.value}.", distractor=True),
+        S("funding", "The work was funded by a {funding.value} grant from the {funding.subj}.",
+          "The {funding.subj} funded the trial with a grant of {funding.value}."),
+        S("side", "About {side.value} of participants taking {side.subj} reported mild side effects.",
+          "Mild side effects were reported by {side.value} of those taking {side.subj}.", distractor=True),
+    ),
+    units=(
+        U("lead", "study finding",
+          "A study by {study.subj} published in the {study.obj} on {study.date} found that {finding.subj} "
+          "{finding.verb} the risk of {finding.condition} by {finding.value}.",
+          "{finding.subj} {finding.verb} the risk of {finding.condition} by {finding.value}, according to a study by "
+          "{study.subj} published on {study.date}."),
+        U("people", "people months", "The trial followed {people.value} for {months.value}."),
+        U("lead_researcher", "lead", "The research was led by Dr. {lead.subj} of {lead.obj}."),
+        U("funding", "funding", "The work was funded by a {funding.value} grant from the {funding.subj}."),
+    ),
+)
+
+
+# --- funding rounds ------------------------------------------------------------
+
+def _make_funding(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    startup, investor, investor2, founder, city = (cast.take(p) for p in ("company", "firm", "firm", "person", "city"))
+    y = r.randint(2016, 2030)
+    amount = v.millions(5, 400)
+    return {
+        "round": _F(startup, value=amount, date=v.date(y), pred="raise"),
+        "investor": _F(investor, obj=startup),
+        "investor2": _F(investor2, obj=startup),
+        "valuation": _F(startup, value=v.near(amount, 5, 12)),
+        "prev": _F(startup, value=v.near(amount, 0.15, 0.6), date=v.year(y - 3, y - 1)),
+        "hires": _F(startup, value=v.count(20, 500, "engineers")),
+        "founder": _F(founder, obj=startup, date=v.year(2005, y - 2)),
+        "customers": _F(startup, value=v.count(200, 90000, "customers")),
+        "hq": _F(startup, obj=city),
+    }
+
+
+FUNDING = Family(
+    "funding", _make_funding,
+    cues={
+        "round": C("raised|secured|raise|secure"),
+        "investor": C("led"),
+        "investor2": C("took part|taking part"),
+        "valuation": C("values|valued"),
+        "prev": C("previous round"),
+        "hires": C("hire"),
+        "founder": C("founded"),
+        "customers": C("customers"),
+        "hq": C("based|headquartered"),
+    },
+    lead=(
+        S("round", "{round.subj}[hq:, a start-up based in {hq.obj},] {round.verb} {round.value} in new funding on "
+                   "{round.date}.",
+          "On {round.date}, {round.subj} {round.verb} {round.value} in new funding[investor: in a round led by "
+          "{investor.subj}]."),
+    ),
+    body=(
+        S("investor", "The round was led by {investor.subj}[investor2:, with {investor2.subj} also taking part].",
+          "{investor.subj} led the round."),
+        S("investor2", "{investor2.subj} also took part in the round."),
+        S("valuation", "The deal values {valuation.subj} at {valuation.value}.",
+          "{valuation.subj} is now valued at {valuation.value}."),
+        S("prev", "{prev.subj} had raised {prev.value} in its previous round in {prev.date}.",
+          "In its previous round, in {prev.date}, {prev.subj} raised {prev.value}.", distractor=True),
+        S("hires", "{hires.subj} plans to hire {hires.value} over the next year.",
+          "The money will help {hires.subj} hire {hires.value}."),
+        S("founder", "{founder.subj} founded {founder.obj} in {founder.date}.",
+          "{founder.obj} was founded in {founder.date} by {founder.subj}."),
+        S("customers", "{customers.subj} says it has {customers.value}.",
+          "The company now has {customers.value}, according to {customers.subj}."),
+    ),
+    units=(
+        U("lead", "round", "{round.subj} {round.verb} {round.value} in new funding on {round.date}.",
+          "On {round.date}, {round.subj} {round.verb} {round.value} in new funding."),
+        U("investor", "investor", "The round was led by {investor.subj}."),
+        U("valuation", "valuation", "The deal values {valuation.subj} at {valuation.value}."),
+        U("hires", "hires", "{hires.subj} plans to hire {hires.value}."),
+        U("founder", "founder", "{founder.subj} founded {founder.obj} in {founder.date}."),
+    ),
+)
+
+
+# --- city councils ---------------------------------------------------------------
+
+_PROJECTS = ["bridge", "light rail line", "water treatment plant", "sports arena", "hospital wing", "ferry terminal",
+             "library", "flood barrier", "bus depot", "concert hall"]
+
+
+def _make_council(r: random.Random) -> dict[str, _F]:
+    cast, v = Cast(r), _Vals(r)
+    council, mayor, builder = cast.take("council"), cast.take("person"), cast.take("company")
+    project = r.choice(_PROJECTS)
+    y = r.randint(2016, 2028)
+    budget = v.big_money(0.2, 6) if r.random() < 0.4 else v.millions(20, 900)
+    yes = r.randint(5, 11)
+    return {
+        "vote": _F(council, value=budget, date=v.date(y), pred="approve" if r.random() < 0.8 else "reject",
+                   extra={"project": project}),
+        "tally": _F(council, value=score(yes, r.randint(1, yes - 1))),
+        "done": _F(council, date=v.year(y + 2, y + 6), extra={"project": project}),
+        "jobs": _F(council, value=v.count(100, 5000, "jobs")),
+        "mayor": _F(mayor, obj=council),
+        "prior": _F(council, value=v.near(budget, 0.4, 0.9), date=v.year(y - 12, y - 2)),
+        "builder": _F(builder, extra={"project": project}),
+        "serve": _F(council, value=v.count(5000, 400000, "residents", step=100), extra={"project": project}),
+    }
+
+
+COUNCIL = Family(
+    "council", _make_council,
+    cues={
+        "vote": C("approved|backed|rejected|voted down|approve|back|reject|vote down"),
+        "tally": C("measure"),
+        "done": C("completed|finished"),
+        "jobs": C("jobs"),
+        "mayor": C("mayor"),
+        "prior": C("similar plan"),
+        "builder": C("contract"),
+        "serve": C("serve"),
+    },
+    lead=(
+        S("vote", "{vote.subj} {vote.verb} a {vote.value} plan to build a new {vote.project} on {vote.date}.",
+          "On {vote.date}, {vote.subj} {vote.verb} plans for a new {vote.project} costing {vote.value}."),
+    ),
+    body=(
+        S("tally", "Members of {tally.subj} voted {tally.value} on the measure.",
+          "The vote on the measure in {tally.subj} was {tally.value}."),
+        S("done", "The {done.project} is expected to be completed in {done.date}.",
+          "Work on the {done.project} should be finished by {done.date}."),
+        S("jobs", "The project is expected to create {jobs.value}.",
+          "Building it will create {jobs.value}, according to {jobs.subj}."),
+        S("mayor", "Mayor {mayor.subj} called the decision a turning point for the city.",
+          "\"This is a turning point for the city,\" said Mayor {mayor.subj}."),
+        S("prior", "A similar plan costing {prior.value} was shelved by {prior.subj} in {prior.date}.",
+          "In {prior.date}, a similar plan costing {prior.value} was shelved.", distractor=True),
+        S("builder", "{builder.subj} won the contract to build the {builder.project}.",
+          "The contract to build the {builder.project} went to {builder.subj}."),
+        S("serve", "The {serve.project} will serve about {serve.value}.",
+          "Officials say the {serve.project} will serve {serve.value}."),
+    ),
+    units=(
+        U("lead", "vote", "{vote.subj} {vote.verb} a {vote.value} plan to build a new {vote.project} on {vote.date}.",
+          "On {vote.date}, {vote.subj} {vote.verb} a {vote.value} plan for a new {vote.project}."),
+        U("tally", "tally", "Members of {tally.subj} voted {tally.value} on the measure."),
+        U("done", "done", "The {done.project} is expected to be completed in {done.date}."),
+        U("jobs", "jobs", "The project is expected to create {jobs.value}."),
+        U("builder", "builder", "{builder.subj} won the contract to build the {builder.project}."),
+    ),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (EARNINGS, ACQUISITION, ELECTION, SPORTS, COURT, STORM, LAUNCH,
+                                                   RESEARCH, FUNDING, COUNCIL)}
+
+# Context sentences: no entity, number or date, each identified by one phrase. They
+# lengthen articles (up to 14 sentences) and give summaries something to ignore.
+CONTEXT: dict[str, tuple[tuple[str, str], ...]] = {
+    "earnings": (("before markets opened", "The figures were released before markets opened."),
+                 ("raw materials", "Higher costs of raw materials weighed on margins."),
+                 ("new markets", "The company has been expanding into new markets to rely less on a few large "
+                                 "customers.")),
+    "acquisition": (("investment banks", "Both companies were advised by several investment banks."),
+                    ("integration", "Integration of the two businesses is expected to take some time."),
+                    ("consolidation", "The industry has seen a wave of consolidation in recent years.")),
+    "election": (("campaign focused", "The campaign focused on housing, transport and public safety."),
+                 ("polls had suggested", "Polls had suggested a much closer contest."),
+                 ("concession speech", "The defeated candidate made a concession speech late in the evening.")),
+    "sports": (("second half", "Both sides created chances in a lively second half."),
+               ("best defences", "The game had been billed as a test of the league's two best defences."),
+               ("final whistle", "Fans stayed long after the final whistle.")),
+    "court": (("closely watched", "The case had been closely watched by the industry."),
+              ("hearing lasted", "The hearing lasted three weeks."),
+              ("legal experts", "Legal experts said the decision could shape similar disputes.")),
+    "storm": (("schools and offices", "Schools and offices across the area were closed."),
+              ("shelters", "Emergency shelters were opened in sports halls and churches."),
+              ("forecasters", "Forecasters warned of more heavy rain in the coming days.")),
+    "launch": (("improved camera", "The device has a larger screen and an improved camera."),
+               ("early reviewers", "Early reviewers praised its design."),
+               ("supply chain", "The company said its supply chain was ready for strong demand.")),
+    "research": (("placebo", "Half of the volunteers received a placebo."),
+                 ("larger trials", "The authors said larger trials were needed."),
+                 ("mechanism", "The mechanism behind the effect remains unclear.")),
+    "funding": (("helps shops", "The start-up sells software that helps shops manage stock."),
+                ("poured money", "Investors have poured money into the sector this year."),
+                ("profitable", "The company hopes to become profitable within three years.")),
+    "council": (("public consultation", "A public consultation drew hundreds of comments."),
+                ("congestion", "Residents have long complained about congestion in the area."),
+                ("opponents", "Opponents argued that the money should be spent on schools.")),
+}
+
+
+# ===========================================================================
+# 4. The news world: rendering and generation
+# ===========================================================================
+
+_SLOT = re.compile(r"\{(\w+)\.(\w+)\}")
+_OPTIONAL = re.compile(r"\[(\w+):([^\]]*)\]")
+_ENTITY_ATTRS = ("subj", "obj", "other")
+
+
+@dataclass(frozen=True)
+class Slot:
+    role: str
+    attr: str  # subj | obj | other | value | date | verb | an extra
+    start: int
+    end: int
+
+
+def slot_text(f: _F, attr: str, verb_text: str | None = None) -> str:
+    if attr in _ENTITY_ATTRS:
+        ent = getattr(f, attr)
+        if ent is None:
+            raise KeyError(f"template uses {attr} of a fact that has none")
+        return ent.name
+    if attr == "value":
+        return f.value.text
+    if attr == "date":
+        return f.date.text
+    if attr == "verb":
+        return verb_text
+    return f.extra[attr]
+
+
+def render(template: str, facts: dict[str, _F], verbs: dict[str, str],
+           include: Callable[[str], bool] = lambda role: False,
+           override: dict[tuple[str, str], str] | None = None) -> tuple[str, list[Slot], list[str]]:
+    """Fill a template: (text, slots with their character spans, roles of the optional clauses kept).
+
+    `verbs` maps role -> the verb phrase to write; `override` replaces a slot's
+    text (the drafter's errors), so the drafter knows exactly where it erred.
+    """
+    kept: list[str] = []
+
+    def optional(m: re.Match) -> str:
+        role = m.group(1)
+        if role in facts and include(role):
+            kept.append(role)
+            return m.group(2)
+        return ""
+
+    t = _OPTIONAL.sub(optional, template)
+    out, slots, pos, n = [], [], 0, 0
+    for m in _SLOT.finditer(t):
+        lit = t[pos:m.start()]
+        out.append(lit)
+        n += len(lit)
+        role, attr = m.group(1), m.group(2)
+        text = (override or {}).get((role, attr))
+        if text is None:
+            text = slot_text(facts[role], attr, verbs.get(role))
+        slots.append(Slot(role, attr, n, n + len(text)))
+        out.append(text)
+        n += len(text)
+        pos = m.end()
+    out.append(t[pos:])
+    return "".join(out), slots, kept
+
+
+def _choose_verbs(facts: dict[str, _F], rng: random.Random) -> dict[str, str]:
+    return {role: verb(f.pred, f.polarity, rng) for role, f in facts.items() if f.pred}
+
+
+def _event_of(seed: int, i: int, retell_rate: float) -> int:
+    """The event article i reports: its own, or (sometimes) an earlier article's, retold."""
+    while i > 0:
+        r = seeded_rng(seed, "retell", i)
+        if r.random() >= retell_rate:
+            break
+        i = r.randrange(i)
+    return i
+
+
+def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
+    """Article i of the world `seed`: depends only on (seed, i), never on how many are generated."""
+    event = _event_of(seed, i, retell_rate)
+    er = seeded_rng(seed, "event", event)
+    family = FAMILIES[er.choice(sorted(FAMILIES))]
+    facts = family.make(er)
+    context = CONTEXT[family.name]
+    for k, (_, sentence) in enumerate(context):
+        facts[f"ctx{k}"] = _F(None, extra={"text": sentence})
+
+    sr = seeded_rng(seed, "surface", i)
+    # The summary: the lead unit plus one to three others; their roles are the key facts.
+    units = [family.units[0]] + sr.sample(family.units[1:], min(len(family.units) - 1, sr.choice([1, 2, 2, 3])))
+    key_roles = {role for u in units for role in u.roles}
+    # The article: the lead, the sentences that state key facts, then distractors
+    # first (careless copying should have something to err on) and the rest.
+    lead = family.lead[0]
+    body = list(family.body) + [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(context))]
+    need = [s for s in body if set(s.roles) & key_roles]
+    rest = [s for s in body if s not in need]
+    sr.shuffle(rest)
+    rest.sort(key=lambda s: not s.distractor)
+    n_sent = sr.randint(6, 14)
+    chosen = need + rest[:max(0, n_sent - 1 - len(need))]
+    sr.shuffle(chosen)
+
+    verbs = _choose_verbs(facts, sr)
+    sentences, stated = [], {}
+    for idx, spec in enumerate([lead] + chosen):
+        text, _, kept = render(sr.choice(spec.templates), facts, verbs, include=lambda role: sr.random() < 0.5)
+        sentences.append(text)
+        for role in list(spec.roles) + kept:
+            stated.setdefault(role, idx)
+
+    order = sorted(stated, key=lambda role: (stated[role], list(facts).index(role)))
+    table = [fact_to_dict(f"f{k}", family.name, role, facts[role], stated[role], role in key_roles)
+             for k, role in enumerate(order)]
+    entities: dict[str, str] = {}
+    for role in order:
+        for attr in _ENTITY_ATTRS:
+            ent = getattr(facts[role], attr)
+            if ent is not None:
+                entities.setdefault(ent.name, ent.type)
+    summary_verbs = _choose_verbs(facts, sr)
+    summary = " ".join(render(sr.choice(u.templates), facts, summary_verbs)[0] for u in units)
+    return Document(id=f"nw-{seed}-{i:06d}", text=" ".join(sentences), summary=summary, source="newsworld",
+                    bucket=family.name, facts=table, entities=entities,
+                    meta={"world": WORLD_VERSION, "event": f"{seed}-{event}", "units": [u.name for u in units]})
+
+
+def documents(n: int, seed: int = 0, start: int = 0, retell_rate: float = 0.08) -> Iterator[Document]:
+    """Articles start .. start+n-1 of the world `seed` (a stream; byte-identical across runs)."""
+    for i in range(start, start + n):
+        yield world_document(seed, i, retell_rate)
+
+
+# --- fact tables -----------------------------------------------------------------
+
+def fact_to_dict(fid: str, family: str, role: str, f: _F, sentence: int, key: bool) -> dict:
+    return {
+        "id": fid,
+        "kind": f"{family}.{role}",
+        "subject": f.subj.name if f.subj else None,
+        "object": f.obj.name if f.obj else None,
+        "other": f.other.name if f.other else None,
+        "value": f.value.text if f.value else None,
+        "unit": f.value.unit if f.value else None,
+        "amount": f.value.amount if f.value else None,
+        "date": f.date.text if f.date else None,
+        "predicate": f.pred,
+        "polarity": f.polarity,
+        "sentence": sentence,  # index of the (first) article sentence that states it
+        "key": key,  # stated by the reference summary
+        "extra": f.extra,
+    }
+
+
+def fact_from_dict(d: dict, entities: dict[str, str]) -> _F:
+    def ent(name):
+        return Ent(name, entities.get(name, "unknown")) if name else None
+
+    value = Qty(d["value"], d["amount"], d["unit"]) if d.get("value") is not None else None
+    date = parse_when(d["date"]) if d.get("date") else None
+    return _F(ent(d.get("subject")), ent(d.get("object")), ent(d.get("other")), value, date,
+              d.get("predicate"), d.get("polarity", True), dict(d.get("extra") or {}))
+
+
+def doc_facts(doc: Document) -> dict[str, tuple[dict, _F]]:
+    """role -> (fact dict, fact) for a news world document."""
+    if not doc.facts:
+        raise DataError(f"document {doc.id!r} has no fact table (only news world documents do)")
+    return {d["kind"].split(".", 1)[1]: (d, fact_from_dict(d, doc.entities)) for d in doc.facts}
+
+
+def parse_when(text: str) -> When:
+    m = re.fullmatch(rf"({'|'.join(MONTHS)}) (\d{{1,2}}), (\d{{4}})", text)
+    if m:
+        return When(text, int(m.group(3)), MONTHS.index(m.group(1)) + 1, int(m.group(2)))
+    m = re.fullmatch(rf"({'|'.join(MONTHS)}) (\d{{4}})", text)
+    if m:
+        return When(text, int(m.group(2)), MONTHS.index(m.group(1)) + 1)
+    if re.fullmatch(r"\d{4}", text):
+        return When(text, int(text))
+    raise ValueError(f"not a date: {text!r}")
+
+
+def fresh_documents(n: int | Iterable[int], seed: int, guard: "data.LeakGuard | None" = None
+                    ) -> tuple[list[Document], list[str]]:
+    """(documents, ids skipped): articles 0..n-1 (or the indices `n`) of the world
+    `seed`, less those `guard` finds in a held-out cluster."""
+    kept, skipped = [], []
+    for i in (range(n) if isinstance(n, int) else n):
+        doc = world_document(seed, i)
+        if guard is not None and guard.match(doc) is not None:
+            skipped.append(doc.id)
+        else:
+            kept.append(doc)
+    return kept, skipped
+
+
