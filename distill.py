@@ -5,7 +5,7 @@
     python distill.py --config configs/distill_tiny.yaml target=both kd.weight=0   # CE only
 
 1. The teacher (a trained directory: full weights, or a PEFT adapter on top of
-   the base its adapter_config.json names, `common.load_trained`) writes
+   the base its adapter_config.json names, `modeling.load_trained`) writes
    `generate.samples_per_doc` episodes per training document with the tool
    sandbox in the loop (`rollout.rollout`). `generate.filter` keeps the clean
    ones (valid tool use, not truncated, a non-empty summary), optionally only
@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import eval as evaluation  # shadows the builtin in this namespace only
 import rewards
 import rl
@@ -108,8 +110,8 @@ class Config:
     runs_dir: str = "runs"
     teacher: str = "runs/rl_tiny/final"  # a trained directory: full weights or a PEFT adapter
     # the student: a tiny preset (built from scratch over the teacher's tokenizer), an HF id or a path
-    student: common.ModelConfig = field(default_factory=lambda: common.ModelConfig(
-        name_or_path="tiny-0.3m", lora=common.LoraConfig(enabled=False)))
+    student: modeling.ModelConfig = field(default_factory=lambda: modeling.ModelConfig(
+        name_or_path="tiny-0.3m", lora=modeling.LoraConfig(enabled=False)))
     target: Literal["summary", "episode", "both"] = "summary"
     data: DataConfig = field(default_factory=DataConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -137,9 +139,9 @@ class Config:
 
     def __post_init__(self):
         if not 0.0 <= self.kd.weight <= 1.0 or self.kd.temperature <= 0:
-            raise common.ConfigError("kd.weight must be in [0, 1] and kd.temperature > 0")
+            raise settings.ConfigError("kd.weight must be in [0, 1] and kd.temperature > 0")
         if min(self.steps, self.batch_episodes, self.grad_accum, self.generate.samples_per_doc) < 1:
-            raise common.ConfigError("steps, batch_episodes, grad_accum and generate.samples_per_doc must be >= 1")
+            raise settings.ConfigError("steps, batch_episodes, grad_accum and generate.samples_per_doc must be >= 1")
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +323,7 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
     stamp = {"teacher": cfg.teacher, "teacher_files": {f.name: f.stat().st_mtime_ns for f in files},
              "generate": dataclasses.asdict(cfg.generate), "docs": cfg.data.docs,
              "split": cfg.data.split, "max_train_docs": cfg.data.max_train_docs, "limits": cfg.limits,
-             "seed": cfg.seed, "reward": common.config_to_dict(cfg.reward)}
+             "seed": cfg.seed, "reward": settings.config_to_dict(cfg.reward)}
     if path.exists() and stamp_path.exists():
         saved = json.loads(stamp_path.read_text(encoding="utf-8"))
         if saved["stamp"] == stamp:
@@ -356,10 +358,10 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
     run_dir/student_init and loaded from there like any model; anything else
     loads as it is."""
     mcfg = cfg.student
-    if mcfg.name_or_path in common.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
-        init = common.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
+    if mcfg.name_or_path in modeling.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
+        init = modeling.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
         mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
-    return common.load_policy(mcfg, train=True)
+    return modeling.load_policy(mcfg, train=True)
 
 
 # ---------------------------------------------------------------------------
@@ -388,7 +390,7 @@ def main(cfg: Config) -> dict:
     print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
     if not Path(cfg.teacher).exists():
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
-    teacher, t_tok = common.load_trained(cfg.teacher, train=False)
+    teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
     episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "
           f"{funnel['clean']} clean), {funnel['teacher_tokens_per_episode']:.0f} tokens and "
@@ -489,6 +491,6 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    with common.config_errors_exit():
-        _cfg = common.load_config(Config)
+    with settings.config_errors_exit():
+        _cfg = settings.load_config(Config)
     main(_cfg)

@@ -5,7 +5,7 @@
     python eval.py --config configs/eval_tiny.yaml --compare runs/sft_tiny/final runs/rl_tiny/final
     python eval.py --config configs/eval_tiny.yaml tools=none name=eval_no_tools   # decode-time ablation
 
-A model is a trained directory (`common.load_trained`): full weights (SFT's
+A model is a trained directory (`modeling.load_trained`): full weights (SFT's
 `final/`) or a PEFT adapter on top of the base its adapter_config.json names
 (RL's `final/`). Documents are the `eval` pool of the leak-cluster manifest
 (`data.py split`), in the order of the docs file, the first `n_docs`; the
@@ -62,6 +62,8 @@ import torch
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import rewards
 import rollout
 import sandbox
@@ -76,7 +78,7 @@ class Config:
     name: str = "eval"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
     model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter); --compare overrides
-    base: common.ModelConfig = field(default_factory=common.ModelConfig)  # dtype/quant/attention for loading
+    base: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # dtype/quant/attention for loading
     docs: str = "out/newsworld/docs.jsonl"  # Document JSONL
     split: str = "out/newsworld/split.json"  # leak-cluster manifest ("" = every document of `docs`)
     pool: Literal["eval", "never_touch"] = "eval"  # never_touch only when explicitly asked for
@@ -96,9 +98,9 @@ class Config:
 
     def __post_init__(self):
         if min(self.n_docs, self.n_samples, self.max_new_tokens, self.batch_size) < 1:
-            raise common.ConfigError("n_docs, n_samples, max_new_tokens and batch_size must be >= 1")
+            raise settings.ConfigError("n_docs, n_samples, max_new_tokens and batch_size must be >= 1")
         if self.latency_docs < 0 or self.temperature <= 0:
-            raise common.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
+            raise settings.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
 
 
 # ---------------------------------------------------------------------------
@@ -456,13 +458,13 @@ def missing_model_hint(path: str) -> str:
 def load_model(path: str, cfg: Config):
     if not Path(path).is_dir():
         raise SystemExit(missing_model_hint(path))
-    model, tok = common.load_trained(path, train=False, base=cfg.base)
+    model, tok = modeling.load_trained(path, train=False, base=cfg.base)
     model.eval()
     return model, tok
 
 
 def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None) -> dict:
-    """Load a trained directory (`common.load_trained`, eval mode) and `evaluate` it."""
+    """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it."""
     model, tok = load_model(path, cfg)
     return evaluate(model, tok, documents, cfg, keep)
 
@@ -630,7 +632,7 @@ def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
                 dirs.append(argv[i])
                 i += 1
             if not dirs:
-                raise common.ConfigError("--compare needs one or more model directories")
+                raise settings.ConfigError("--compare needs one or more model directories")
             continue
         rest.append(argv[i])
         i += 1
@@ -665,7 +667,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
               + f" | {time.perf_counter() - t0:.1f}s")
     curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
     common.atomic_write_text(run.dir / "eval.json", json.dumps(common.jsonable({
-        "config": common.config_to_dict(cfg), "factuality_backend": backend,
+        "config": settings.config_to_dict(cfg), "factuality_backend": backend,
         "models": [{"model": p, "metrics": m} for p, m in results.items()],
         "hallucination_source": hallucination_source(cfg, {"news_world": news}), "n_docs": len(docs),
         "doc_ids": [d.id for d in docs], "pool": cfg.pool, "curves_from": [str(c) for c in curves],
@@ -677,7 +679,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
 
 
 if __name__ == "__main__":
-    with common.config_errors_exit():
+    with settings.config_errors_exit():
         _argv, _compare = split_compare(sys.argv[1:])
-        _cfg, _ = common.parse_args(Config, _argv, flags=("--compare",))
+        _cfg, _ = settings.parse_args(Config, _argv, flags=("--compare",))
     main(_cfg, _compare)

@@ -65,6 +65,8 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import data
 import rewards
 import sandbox
@@ -497,7 +499,7 @@ def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
     eps = [ep for path in cfg.traces for ep in read_traces(path)]
     docs = {d.id: d for d in data.read_documents(cfg.docs_path)}
-    tok = common.load_tokenizer(cfg.tokenizer)
+    tok = modeling.load_tokenizer(cfg.tokenizer)
     length_fn = lambda s: len(tok.encode(s, add_special_tokens=False))  # noqa: E731
     funnel = Funnel(len(eps))
     print(f"filter: {len(eps)} traces from {len(cfg.traces)} file(s), {len(docs)} documents", flush=True)
@@ -631,7 +633,7 @@ def main(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(common.load_config(Config))
-    except (common.ConfigError, data.DataError, data.LeakError) as e:  # bad input: one line, not a traceback
+        main(settings.load_config(Config))
+    except (settings.ConfigError, data.DataError, data.LeakError) as e:  # bad input: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

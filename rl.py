@@ -73,6 +73,9 @@ from typing import Callable, Literal, Sequence
 import torch
 
 import common
+import settings
+import modeling
+import vram
 import rewards
 import rollout
 import sandbox
@@ -133,7 +136,7 @@ class Config:
     name: str = "rl"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
     init: str = ""  # start from this directory (an SFT run's final/): full weights (LoRA on top), or an adapter
-    model: common.ModelConfig = field(default_factory=common.ModelConfig)
+    model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: rollout.SamplingConfig = field(default_factory=rollout.SamplingConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
@@ -177,12 +180,12 @@ class Config:
 
     def __post_init__(self):
         if self.group_size < 2:
-            raise common.ConfigError(f"group_size must be >= 2 (a group of one has no baseline), got {self.group_size}")
+            raise settings.ConfigError(f"group_size must be >= 2 (a group of one has no baseline), got {self.group_size}")
         if min(self.prompts_per_step, self.micro_groups, self.mu) < 1:
-            raise common.ConfigError("prompts_per_step, micro_groups and mu must be >= 1")
+            raise settings.ConfigError("prompts_per_step, micro_groups and mu must be >= 1")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0 and self.tis_cap > 0):
-            raise common.ConfigError("need 0 <= clip_low < 1, clip_high >= 0, beta >= 0, tis_cap > 0")
-        common.check_score_method(self.model.backend, self.score_method)
+            raise settings.ConfigError("need 0 <= clip_low < 1, clip_high >= 0, beta >= 0, tis_cap > 0")
+        modeling.check_score_method(self.model.backend, self.score_method)
 
 
 # ---------------------------------------------------------------------------
@@ -425,11 +428,11 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     return train, held or [], how
 
 
-def plan_config(cfg: Config, batch: int, share_prompt: bool) -> common.PlanConfig:
+def plan_config(cfg: Config, batch: int, share_prompt: bool) -> vram.PlanConfig:
     """The memory planner's view of a run with `batch` groups in flight:
     completions of max_new_tokens plus the results blocks injected into them."""
     m = cfg.model
-    return common.PlanConfig(
+    return vram.PlanConfig(
         model=cfg.plan.model or m.name_or_path,
         dtype="bfloat16" if m.dtype == "auto" else m.dtype,
         quant=m.quant, lora_rank=m.lora.rank if m.lora.enabled else 0, lora_targets=list(m.lora.target_modules),
@@ -441,14 +444,14 @@ def plan_config(cfg: Config, batch: int, share_prompt: bool) -> common.PlanConfi
         share_prompt=share_prompt)
 
 
-def memory_plan(cfg: Config) -> common.MemoryPlan:
+def memory_plan(cfg: Config) -> vram.MemoryPlan:
     """Rollout with every group of a step in flight, update one micro-batch of
     `micro_groups` groups at a time; a stage beside vLLM fits a card C when
     vLLM's needs fit u x C and the trainer's (1 - u) x C (common's rule)."""
     # vLLM's prefix cache holds a group's prompt once; the hf engine expands it to G
     # cache rows. Group scoring computes the prompt once per group; tree and branch per rollout.
-    roll = common.plan_memory(plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
-    upd = common.plan_memory(plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
+    roll = vram.plan_memory(plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
+    upd = vram.plan_memory(plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
     plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
                                vllm=roll.vllm, min_gpu_gb={}, fits={})
     u = plan.config.gpu_memory_utilization
@@ -456,15 +459,15 @@ def memory_plan(cfg: Config) -> common.MemoryPlan:
         trainer = sum(parts.values())
         need = max(sum(plan.vllm.values()) / u, trainer / (1 - u)) if plan.vllm else trainer
         plan.min_gpu_gb[name] = need
-        plan.fits[name] = {g: need <= g for g in common.GPU_SIZES_GB}
+        plan.fits[name] = {g: need <= g for g in vram.GPU_SIZES_GB}
     return plan
 
 
 def format_plan(cfg: Config) -> str:
     plan = memory_plan(cfg)
     verdict = ", ".join(f"{g} GB {'yes' if all(f[g] for f in plan.fits.values()) else 'no'}"
-                        for g in common.GPU_SIZES_GB)
-    return (f"{common.format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
+                        for g in vram.GPU_SIZES_GB)
+    return (f"{vram.format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
             f"{cfg.micro_groups} group(s) per forward/backward)\nRL fits: {verdict}")
 
 
@@ -488,17 +491,17 @@ def load_model(cfg: Config):
         # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING);
         # the scoring path needs them. Read at forward time, so set before the first one.
         os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    model, tok = common.load_policy(mcfg, train=True)
+    model, tok = modeling.load_policy(mcfg, train=True)
     if mcfg.adapter_path and cfg.beta > 0:
         # Training continues the init adapter: the starting policy is base + that adapter,
         # and the KL must anchor there, not on the base model (adapter disabled).
-        common.add_reference_adapter(model, mcfg.adapter_path)
+        modeling.add_reference_adapter(model, mcfg.adapter_path)
     return model, tok
 
 
 def make_optimizer(cfg: Config, params):
     if cfg.optimizer == "adamw_8bit":
-        common._require("bitsandbytes", "optimizer='adamw_8bit'", "pip install bitsandbytes==0.50.2")
+        modeling._require("bitsandbytes", "optimizer='adamw_8bit'", "pip install bitsandbytes==0.50.2")
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -509,7 +512,7 @@ def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
     """Optional TensorBoard / W&B writers: f(step, numeric fields)."""
     out = []
     if cfg.log.tensorboard:
-        common._require("tensorboard", "log.tensorboard=true", "pip install tensorboard")
+        modeling._require("tensorboard", "log.tensorboard=true", "pip install tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         tb = SummaryWriter(str(run_dir / "tb"))
@@ -521,10 +524,10 @@ def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
 
         out.append(to_tensorboard)
     if cfg.log.wandb_project:
-        common._require("wandb", "log.wandb_project", "pip install wandb")
+        modeling._require("wandb", "log.wandb_project", "pip install wandb")
         import wandb
 
-        wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=common.config_to_dict(cfg), resume="allow")
+        wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=settings.config_to_dict(cfg), resume="allow")
         out.append(lambda s, f: wandb.log(f, step=s))
     return out
 
@@ -559,7 +562,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     if vllm and not hasattr(model, "vllm_engine"):
         raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, model.fast_inference=true")
     lora = bool(getattr(model, "peft_config", None))
-    ref_copy = common.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
+    ref_copy = modeling.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
     limits = sandbox.Limits.make(**cfg.limits)
     gen = rollout.make_generator(cfg.seed, model)
     scorer = rewards.Scorer(cfg.reward)
@@ -686,7 +689,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                  "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
             if cfg.beta > 0:
                 model.eval()
-                with torch.no_grad(), common.reference_model(model) if lora else contextlib.nullcontext():
+                with torch.no_grad(), modeling.reference_model(model) if lora else contextlib.nullcontext():
                     b["ref"] = logprobs(model if lora else ref_copy, mb, cfg, temperature)
             batches.append(b)
         model.train()
@@ -778,8 +781,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
 
 
 if __name__ == "__main__":
-    with common.config_errors_exit():
-        _cfg, _flags = common.parse_args(Config, flags=("--plan",))
+    with settings.config_errors_exit():
+        _cfg, _flags = settings.parse_args(Config, flags=("--plan",))
     if "--plan" in _flags:
         print(format_plan(_cfg))
     else:

@@ -138,7 +138,7 @@ class ScriptedProcessor:
 
 def stop_ids(tokenizer) -> list[int]:
     """End-of-turn ids: eos, the model's generation-config end ids (recorded on the
-    tokenizer by `common.load_tokenizer`), and every end-of-turn or end-of-text
+    tokenizer by `modeling.load_tokenizer`), and every end-of-turn or end-of-text
     token the vocabulary has (a chat model that writes <|endoftext|> instead of
     <|im_end|> must stop there too, not run on to the token limit)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -64,7 +64,7 @@ from rank_bm25 import BM25Okapi
 PROTOCOL_VERSION = 1
 EPISODE_VERSION = 1
 
-SYSTEM_PROMPT = (  # what a chat model reads about the tools (the tiny template leaves it out: common.CHAT_TEMPLATE)
+SYSTEM_PROMPT = (  # what a chat model reads about the tools (the tiny template leaves it out: modeling.CHAT_TEMPLATE)
     "Summarise the article in a few factual sentences. <search>QUERY</search> finds its sentences "
     '(QUERY is /REGEX/ or keywords); <delete scope="sentence"/> or <delete scope="clause"/> '
     "retracts what you just wrote."

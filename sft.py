@@ -52,6 +52,8 @@ import torch
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import rewards
 import rollout
 import sandbox
@@ -122,7 +124,7 @@ class Config:
     runs_dir: str = "runs"
     mode: Literal["sft", "rejection", "teacher", "kto"] = "sft"
     init: str = ""  # start from this directory (a previous run's final/): weights, or an adapter
-    model: common.ModelConfig = field(default_factory=common.ModelConfig)
+    model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rejection: RejectionConfig = field(default_factory=RejectionConfig)
@@ -166,9 +168,9 @@ class Config:
     seed: int = 0
 
     def __post_init__(self):
-        common.check_score_method(self.model.backend, self.score_method)
+        modeling.check_score_method(self.model.backend, self.score_method)
         if not self.rewrite_weight >= 0:
-            raise common.ConfigError(f"rewrite_weight={self.rewrite_weight}: must be >= 0 (1 is plain SFT)")
+            raise settings.ConfigError(f"rewrite_weight={self.rewrite_weight}: must be >= 0 (1 is plain SFT)")
 
 
 # ---------------------------------------------------------------------------
@@ -305,7 +307,7 @@ def kto_loss(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Ten
 def kto_step_loss(model, ref_copy, episodes: list, labels: dict, cfg: Config, n_step: int) -> torch.Tensor:
     """A micro-batch's share of the step's mean KTO loss (`n_step` episodes in the step).
     The reference: `ref_copy` (a full fine-tune), else the model under
-    `common.reference_model` (the starting adapter, or the base with a fresh one)."""
+    `modeling.reference_model` (the starting adapter, or the base with a fresh one)."""
     policy = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
     with torch.no_grad():
         was = model.training
@@ -313,7 +315,7 @@ def kto_step_loss(model, ref_copy, episodes: list, labels: dict, cfg: Config, n_
         if ref_copy is not None:
             reference = episode_logps(ref_copy, episodes, cfg.max_batch_tokens, cfg.score_method)
         else:
-            with common.reference_model(model):
+            with modeling.reference_model(model):
                 reference = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
         model.train(was)
     desirable = torch.tensor([labels[id(e)] for e in episodes], device=policy.device)
@@ -530,9 +532,9 @@ def load_model(cfg: Config):
             mcfg = dataclasses.replace(mcfg, adapter_path=str(init))
         else:
             mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
-    model, tok = common.load_policy(mcfg, train=True)
+    model, tok = modeling.load_policy(mcfg, train=True)
     if cfg.mode == "kto" and mcfg.adapter_path:
-        common.add_reference_adapter(model, mcfg.adapter_path)  # the reference is the starting policy (as in rl.py)
+        modeling.add_reference_adapter(model, mcfg.adapter_path)  # the reference is the starting policy (as in rl.py)
     return model, tok
 
 
@@ -581,7 +583,7 @@ def main(cfg: Config) -> dict:
         if n_d in (0, len(train)):
             print("kto: warning: one class only; KTO then pushes every episode the same way")
         if not getattr(model, "peft_config", None):  # a full fine-tune's reference: its starting weights
-            ref_copy = common.frozen_copy(model)
+            ref_copy = modeling.frozen_copy(model)
     checked = validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 
@@ -685,6 +687,6 @@ def _log_eval(run, step, model, tok, held_eps, docs, cfg, sample: bool) -> dict:
 
 
 if __name__ == "__main__":
-    with common.config_errors_exit():
-        _cfg = common.load_config(Config)
+    with settings.config_errors_exit():
+        _cfg = settings.load_config(Config)
     main(_cfg)

@@ -68,6 +68,8 @@ from typing import Callable, Iterable, Literal, Sequence
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import data
 import newsworld
 import oracle
@@ -123,7 +125,7 @@ class TeacherConfig:
     # USD per million input/output tokens, per model name
     prices_per_mtok: dict[str, dict[str, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
     cache_dir: str = "out/teacher_cache"  # one JSON file per request hash (api and model backends)
-    model: common.ModelConfig = field(default_factory=common.ModelConfig)  # model backend: the local teacher
+    model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # model backend: the local teacher
     generate: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0, max_new_tokens=512))
 
 
@@ -133,7 +135,7 @@ class DrafterConfig:
     drafts_per_doc: int = 3  # traces per document; the filter ranks them and keeps 1-2
     clean_rate: float = 0.2  # newsworld: share of drafts without errors
     max_errors: int = 3  # newsworld: errors per draft at most (one per sentence)
-    model: common.ModelConfig = field(default_factory=common.ModelConfig)  # model backend: the drafter
+    model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # model backend: the drafter
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # draft k of a doc uses one each
     max_rounds: int = 3  # model: corrections (teacher calls) per trace; errors left after are recorded
@@ -536,16 +538,16 @@ def _sampling(g: GenerateConfig, seed: int, extra_tokens: int = 0):
                                   max_new_tokens=g.max_new_tokens + extra_tokens, batch_size=g.batch_size, seed=seed)
 
 
-def load_generator(mcfg: common.ModelConfig, g: GenerateConfig):
+def load_generator(mcfg: modeling.ModelConfig, g: GenerateConfig):
     """(model or vLLM engine, tokenizer) for the rollout engine."""
     if g.backend == "vllm":
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError(f"generate.backend='vllm' needs vLLM: {common.GPU_INSTALL_HINT}") from e
-        path = common.resolve_model_path(mcfg.name_or_path)
-        return LLM(model=path, enable_prefix_caching=True), common.load_tokenizer(path)
-    return common.load_policy(mcfg, train=False)
+            raise ImportError(f"generate.backend='vllm' needs vLLM: {modeling.GPU_INSTALL_HINT}") from e
+        path = modeling.resolve_model_path(mcfg.name_or_path)
+        return LLM(model=path, enable_prefix_caching=True), modeling.load_tokenizer(path)
+    return modeling.load_policy(mcfg, train=False)
 
 
 def written_text(ep: sandbox.Episode) -> str:
@@ -767,7 +769,7 @@ def make_annotator(cfg: TeacherConfig):
     if cfg.backend == "oracle":
         return OracleAnnotator()
     if cfg.backend == "none":
-        raise common.ConfigError("annotator.backend='none': the pipeline needs a fact-checker (oracle, api, model)")
+        raise settings.ConfigError("annotator.backend='none': the pipeline needs a fact-checker (oracle, api, model)")
     return TeacherAnnotator(make_teacher(cfg))
 
 
@@ -1202,7 +1204,7 @@ def _synth_iterative(items, drafter, annotator, cfg):
 def parse_shard(spec: str) -> tuple[int, int]:
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
     if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise common.ConfigError(f"shard must be i/n with 0 <= i < n, got {spec!r}")
+        raise settings.ConfigError(f"shard must be i/n with 0 <= i < n, got {spec!r}")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -1401,8 +1403,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
               f"-> {argv[1]}")
         return 0
     try:
-        main(common.load_config(Config, flags_to_keys(argv)))
-    except (common.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
+        main(settings.load_config(Config, flags_to_keys(argv)))
+    except (settings.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -1418,7 +1420,7 @@ def flags_to_keys(argv: Sequence[str]) -> list[str]:
         elif a == flag:
             value = next(it, None)
             if value is None:
-                raise common.ConfigError(f"{flag} needs a value")
+                raise settings.ConfigError(f"{flag} needs a value")
             out.append(f"{flag[2:]}={value}")
         else:
             out.append(a[2:])

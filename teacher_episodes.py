@@ -26,6 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
+import settings
+import modeling
 import data
 import rollout
 import sandbox
@@ -45,7 +47,7 @@ class Config:
     name: str = "teacher"
     runs_dir: str = "runs"
     out: str = "out/teacher/cnn_train.jsonl"
-    model: common.ModelConfig = field(default_factory=common.ModelConfig)  # the hf backend's teacher
+    model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # the hf backend's teacher
     data: DataConfig = field(default_factory=DataConfig)
     sampling: rollout.SamplingConfig = field(default_factory=lambda: rollout.SamplingConfig(
         backend="api", temperature=0.0, max_new_tokens=512))
@@ -92,7 +94,7 @@ def main(cfg: Config) -> dict:
     todo = [d for d in docs if d.id not in have]
     model = tok = None
     if cfg.sampling.backend in ("hf", "hf_naive", "vllm"):
-        model, tok = common.load_policy(cfg.model, train=False)
+        model, tok = modeling.load_policy(cfg.model, train=False)
     elif cfg.sampling.backend == "api" and not cfg.sampling.api_model:
         raise SystemExit("sampling.api_model is empty: name the teacher model the endpoint serves")
     limits = sandbox.Limits.make(**cfg.limits)
@@ -134,6 +136,6 @@ def done_path(cfg: Config) -> Path:
 
 
 if __name__ == "__main__":
-    with common.config_errors_exit():
-        _cfg = common.load_config(Config)
+    with settings.config_errors_exit():
+        _cfg = settings.load_config(Config)
     main(_cfg)

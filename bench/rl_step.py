@@ -31,9 +31,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
 import data  # noqa: E402
-import newsworld
+import modeling  # noqa: E402
+import newsworld  # noqa: E402
 import sandbox  # noqa: E402
 
 LR = 1e-5
@@ -53,12 +53,12 @@ def run_ours(args, tmp: str) -> dict:
     import rl
 
     torch.set_num_threads(args.threads)
-    path = str(common.resolve_model_path("tiny-1m"))
+    path = str(modeling.resolve_model_path("tiny-1m"))
     docs_path = os.path.join(tmp, "docs.jsonl")
     data.write_jsonl(docs_path, documents(args.prompts * (args.steps + 1)))
     cfg = rl.Config(name="bench", runs_dir=tmp, resume="none", steps=args.steps + 1, prompts_per_step=args.prompts,
                     group_size=args.group, micro_groups=args.prompts, lr=LR, save_every=0, score_method=args.method,
-                    model=common.ModelConfig(name_or_path=path, lora=common.LoraConfig(enabled=False)),
+                    model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=False)),
                     data=rl.DataConfig(train=docs_path, split=""))
     cfg.sampling.max_new_tokens = args.new_tokens
     cfg.sampling.temperature = 1.0
@@ -80,8 +80,8 @@ def run_trl(args, tmp: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
-    path = str(common.resolve_model_path("tiny-1m"))
-    tok = common.load_tokenizer(path)
+    path = str(modeling.resolve_model_path("tiny-1m"))
+    tok = modeling.load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     ds = Dataset.from_list([{"prompt": sandbox.prompt_messages(d.text)}
                             for d in documents(args.prompts * (args.steps + 1))])

@@ -27,8 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
-import newsworld
+import modeling  # noqa: E402
+import newsworld  # noqa: E402
 import rollout as R  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -98,8 +98,8 @@ def plain_decode(model, tokenizer, docs, group, n_new):
 
 
 def bench_preset(preset, args):
-    path = common.resolve_model_path(preset)
-    tok = common.load_tokenizer(path)
+    path = modeling.resolve_model_path(preset)
+    tok = modeling.load_tokenizer(path)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()

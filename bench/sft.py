@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
-import newsworld
-import oracle
+import modeling  # noqa: E402
+import newsworld  # noqa: E402
+import oracle  # noqa: E402
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
 import sft  # noqa: E402
@@ -68,8 +68,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    model, tok = common.load_policy(common.ModelConfig(name_or_path=args.preset,
-                                                       lora=common.LoraConfig(enabled=False)))
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=args.preset,
+                                                       lora=modeling.LoraConfig(enabled=False)))
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
     n_tok = sum(sft.n_generated(e) for e in eps[:args.batch])
     times = {"sft_step": [], "bare": []}

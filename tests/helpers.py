@@ -142,10 +142,10 @@ def load_config_file(path):
     import importlib
     import os
 
-    import common
+    import settings
 
     module = importlib.import_module(script_for(os.path.basename(path)))
-    return common.load_config(module.Config, ["--config", str(path)])
+    return settings.load_config(module.Config, ["--config", str(path)])
 
 
 def post_server(answer):

@@ -1,4 +1,4 @@
-"""Tests for common.py: strict config loading, runs, metrics, step lines, atomic writes.
+"""Tests for settings.py and common.py: strict config loading, runs, metrics, step lines, atomic writes.
 
 The configs below use `from __future__ import annotations` on purpose: every
 annotation is a string, as in the scripts, so the loader must resolve them.
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from helpers import script_for
+from settings import ConfigError, config_to_dict, format_config, load_config, parse_args
 from common import (
-    ConfigError, atomic_dir, atomic_write_text, config_to_dict, format_config, format_step,
-    git_revision, jsonable, load_config, mean, MetricsWriter, parse_args, read_metrics, save_config,
-    seed_everything, start_run,
+    atomic_dir, atomic_write_text, format_step, git_revision, jsonable, mean, MetricsWriter, read_metrics,
+    save_config, seed_everything, start_run,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -468,9 +468,29 @@ def test_seed_everything_repeats():
     assert draw() != first
 
 
-def test_common_imports_without_torch():
-    code = "import sys, common; assert 'torch' not in sys.modules, 'torch imported'"
+def test_shared_modules_import_without_torch():
+    code = ("import sys, common, settings, data, newsworld, oracle, sandbox, vram, modeling; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# The layers: a module imports (at module level) only modules of the layers below it.
+# Scripts (sft.py, rl.py, ...) sit above all of these.
+LAYERS = [{"settings", "sandbox"}, {"common", "data"}, {"newsworld", "modeling"}, {"oracle", "vram"},
+          {"rewards", "rollout"}, {"factcheck"}]
+
+
+def test_the_shared_modules_import_only_the_layers_below_them():
+    import ast
+
+    ours = {p.stem for p in ROOT.glob("*.py")}
+    for i, layer in enumerate(LAYERS):
+        below = set().union(*LAYERS[:i])
+        for name in layer:
+            tree = ast.parse((ROOT / f"{name}.py").read_text())
+            imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+            imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+            assert (imported & ours) <= below, (name, sorted((imported & ours) - below))
 
 
 # --- every config file loads -----------------------------------------------------------
@@ -510,15 +530,15 @@ def test_unsloth_configs_score_branch_by_branch():
     """Unsloth's fused attention takes no 4D masks: tree (and group-tree) scoring cannot run
     there, so a config that asks for it fails at load time, naming the key; the shipped GPU
     configs score by branch."""
-    import common
+    import settings
     import rl
     import sft
 
-    assert common.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml"]).score_method == "branch"
+    assert settings.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml"]).score_method == "branch"
     for v in (17, 18, 19):
-        assert common.load_config(rl.Config, ["--config", f"configs/drgrpo_v{v}.yaml"]).score_method == "branch"
-    with pytest.raises(common.ConfigError, match="score_method=branch"):
-        common.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml", "score_method=tree"])
-    with pytest.raises(common.ConfigError, match="score_method=branch"):
-        common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "score_method=group"])
-    assert common.load_config(sft.Config, ["--config", "configs/sft_tiny.yaml"]).score_method == "tree"
+        assert settings.load_config(rl.Config, ["--config", f"configs/drgrpo_v{v}.yaml"]).score_method == "branch"
+    with pytest.raises(settings.ConfigError, match="score_method=branch"):
+        settings.load_config(sft.Config, ["--config", "configs/sft_qwen3_4b.yaml", "score_method=tree"])
+    with pytest.raises(settings.ConfigError, match="score_method=branch"):
+        settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "score_method=group"])
+    assert settings.load_config(sft.Config, ["--config", "configs/sft_tiny.yaml"]).score_method == "tree"

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import common
+import settings
+import modeling
 import data
 import newsworld
 import distill
@@ -188,7 +190,7 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path):
     run = tmp_path / "t"
     final = run / "final"
     assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # full weights
-    model, tok = common.load_trained(str(final))
+    model, tok = modeling.load_trained(str(final))
     assert tok.get_vocab() == TOK.get_vocab() and model.config.hidden_size == 64  # tiny-0.3m over the teacher's vocab
     ep = R.rollout(model, tok, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=8))[0]
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 8
@@ -232,7 +234,7 @@ def test_vocabulary_mismatch_trains_with_cross_entropy_and_says_so(full_teacher,
     tiny_llama(bpe_tokenizer(300), seed=0, hidden=32, layers=1).save_pretrained(other)
     bpe_tokenizer(300).save_pretrained(other)
     cfg = config(full_teacher, world, tmp_path, steps=2, target="episode", eval=distill.EvalConfig(n_docs=0),
-                 student=common.ModelConfig(name_or_path=str(other), lora=common.LoraConfig(enabled=False)))
+                 student=modeling.ModelConfig(name_or_path=str(other), lora=modeling.LoraConfig(enabled=False)))
     report = distill.main(cfg)
     assert report["kd_weight"] == 0.0 and "vocabularies differ" in capsys.readouterr().out
     rows = common.read_metrics(tmp_path / "t" / "metrics.jsonl")
@@ -241,6 +243,6 @@ def test_vocabulary_mismatch_trains_with_cross_entropy_and_says_so(full_teacher,
 
 
 def test_the_tiny_config_loads():
-    cfg = common.load_config(distill.Config, ["--config", str(ROOT / "configs" / "distill_tiny.yaml")])
-    assert cfg.student.name_or_path in common.TINY_PRESETS and cfg.eval.factuality == "oracle"
+    cfg = settings.load_config(distill.Config, ["--config", str(ROOT / "configs" / "distill_tiny.yaml")])
+    assert cfg.student.name_or_path in modeling.TINY_PRESETS and cfg.eval.factuality == "oracle"
     assert cfg.torch_threads == 0 and not cfg.student.lora.enabled

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+import settings
 import data
 import newsworld
 import eval as E
@@ -265,7 +265,7 @@ def world(tmp_path_factory):
 
 def test_main_writes_every_metric_report_plots_and_samples(world):
     root, manifest = world
-    cfg = common.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=one"])
+    cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=one"])
     E.main(cfg)
     out = root / "runs" / "one"
     got = json.loads((out / "eval.json").read_text())
@@ -308,7 +308,7 @@ def test_compare_evaluates_each_directory_on_the_same_documents_and_seeds(world)
 
 
 def test_shipped_config():
-    cfg = common.load_config(E.Config, ["--config", str(ROOT / "configs" / "eval_tiny.yaml")])
+    cfg = settings.load_config(E.Config, ["--config", str(ROOT / "configs" / "eval_tiny.yaml")])
     assert (cfg.model, cfg.docs, cfg.split, cfg.pool) == (
         "runs/rl_tiny/final", "out/newsworld/docs.jsonl", "out/newsworld/split.json", "eval")
     assert (cfg.reward.factuality, cfg.n_docs, cfg.n_samples, cfg.max_new_tokens, cfg.latency_docs,
@@ -318,7 +318,7 @@ def test_shipped_config():
 def test_split_compare_takes_the_directories_out():
     assert E.split_compare(["--config", "x.yaml", "--compare", "A", "B", "n_docs=3"]) == (
         ["--config", "x.yaml", "n_docs=3"], ["A", "B"])
-    with pytest.raises(common.ConfigError, match="--compare needs"):
+    with pytest.raises(settings.ConfigError, match="--compare needs"):
         E.split_compare(["--compare", "--config", "x.yaml"])
 
 
@@ -327,15 +327,15 @@ def test_bad_input_names_the_path_and_the_command(world, tmp_path):
     base = ["--config", str(root / "eval.yaml"), f"runs_dir={tmp_path}"]
     missing = tmp_path / "runs" / "sft_nope" / "final"
     with pytest.raises(SystemExit, match=re.escape(str(missing)) + ".*sft.py --config configs/sft_tiny.yaml"):
-        E.main(common.load_config(E.Config, [*base, f"model={missing}"]))
+        E.main(settings.load_config(E.Config, [*base, f"model={missing}"]))
     with pytest.raises(SystemExit, match="rl.py --config"):
-        E.main(common.load_config(E.Config, [*base, "model=runs/rl_nope/final"]))
+        E.main(settings.load_config(E.Config, [*base, "model=runs/rl_nope/final"]))
     with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.jsonl")) + ".*data.py newsworld"):
-        E.main(common.load_config(E.Config, [*base, f"docs={tmp_path / 'no.jsonl'}"]))
+        E.main(settings.load_config(E.Config, [*base, f"docs={tmp_path / 'no.jsonl'}"]))
     with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.json")) + ".*data.py split"):
-        E.main(common.load_config(E.Config, [*base, f"split={tmp_path / 'no.json'}"]))
+        E.main(settings.load_config(E.Config, [*base, f"split={tmp_path / 'no.json'}"]))
     with pytest.raises(SystemExit, match="never_touch"):  # an empty pool is an error, not an empty table
-        E.main(common.load_config(E.Config, [*base, "pool=never_touch", f"split={_empty_pool(root, tmp_path)}"]))
+        E.main(settings.load_config(E.Config, [*base, "pool=never_touch", f"split={_empty_pool(root, tmp_path)}"]))
 
 
 def _empty_pool(root: Path, tmp_path: Path) -> str:

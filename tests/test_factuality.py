@@ -96,18 +96,18 @@ def test_learned_backend_without_weights_names_the_train_command(tmp_path):
 
 
 def test_reward_config_keys_for_the_new_backends_are_checked():
-    import common
+    import settings
 
     def build(mapping):
         flat = {}
-        common._flatten_yaml(R.RewardConfig, mapping, "", "test.yaml", flat, R.RewardConfig)
-        return common._build(R.RewardConfig, flat)
+        settings._flatten_yaml(R.RewardConfig, mapping, "", "test.yaml", flat, R.RewardConfig)
+        return settings._build(R.RewardConfig, flat)
 
     cfg = build({"factuality": "support", "support": {"window": 2}, "learned": {"path": "w.json"}})
     assert (cfg.factuality, cfg.support.window, cfg.learned.path) == ("support", 2, "w.json")
-    with pytest.raises(common.ConfigError, match="windw"):
+    with pytest.raises(settings.ConfigError, match="windw"):
         build({"support": {"windw": 2}})
-    with pytest.raises(common.ConfigError, match="factuality"):
+    with pytest.raises(settings.ConfigError, match="factuality"):
         build({"factuality": "suport"})
 
 

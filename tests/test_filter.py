@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import common
+import settings
 import data
 import newsworld
 import oracle
@@ -196,11 +196,11 @@ def test_spot_check_html_escapes_everything_and_strikes_deletions():
 
 def _run(tmp_path, annotator=None, n=200, synth_keys=(), filter_keys=()):
     docs = tmp_path / "docs.jsonl"
-    s_cfg = common.load_config(st.Config, ["--config", str(CONFIGS / "synth_rules.yaml"), f"docs_path={docs}",
+    s_cfg = settings.load_config(st.Config, ["--config", str(CONFIGS / "synth_rules.yaml"), f"docs_path={docs}",
                                            f"generate_docs={n}", f"out_path={tmp_path / 'traces.jsonl'}",
                                            f"runs_dir={tmp_path / 'runs'}", *synth_keys])
     synth = st.main(s_cfg, annotator=annotator)
-    f_cfg = common.load_config(ft.Config, ["--config", str(CONFIGS / "filter_newsworld.yaml"), f"docs_path={docs}",
+    f_cfg = settings.load_config(ft.Config, ["--config", str(CONFIGS / "filter_newsworld.yaml"), f"docs_path={docs}",
                                            f"traces=[{s_cfg.out_path}]", f"out_dir={tmp_path / 'corpus'}",
                                            f"runs_dir={tmp_path / 'runs'}",
                                            f"split.manifest_path={tmp_path / 'split.json'}", *filter_keys])

@@ -1,6 +1,6 @@
 """Tiny policies, policy loading (LoRA, bitsandbytes, the reference view) and the memory planner.
 
-One tiny-1m model is built per module, through the `tiny-model` command line, and
+One tiny-1m model is built per module, through the `modeling.py` command line, and
 every model test loads it back through from_pretrained as a script would.
 """
 import dataclasses
@@ -15,10 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import modeling
+import vram
 import sandbox
-from common import (ConfigError, LoraConfig, ModelConfig, ModelShape, PlanConfig, build_tiny_model,
-                    count_parameters, frozen_copy, load_config, load_model_config, load_policy,
-                    plan_memory, reference_model)
+from common import count_parameters
+from modeling import LoraConfig, ModelConfig, build_tiny_model, frozen_copy, load_policy, reference_model
+from settings import ConfigError, load_config
+from vram import ModelShape, PlanConfig, load_model_config, plan_memory
 
 ROOT = Path(common.__file__).resolve().parent
 DOC = (ROOT / "examples" / "doc.txt").read_text(encoding="utf-8").strip()
@@ -34,7 +37,7 @@ MARKUP = (
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("models") / "tiny-1m"
-    run = subprocess.run([sys.executable, str(ROOT / "common.py"), "tiny-model", "--preset", "tiny-1m",
+    run = subprocess.run([sys.executable, str(ROOT / "modeling.py"), "--preset", "tiny-1m",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("tiny-1m (seed 0): ") and str(out) in run.stdout
@@ -48,7 +51,7 @@ def tok(tiny_dir):
 
 def _ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(len(common.SPECIAL_TOKENS), 500, (batch, length), generator=g)
+    return torch.randint(len(modeling.SPECIAL_TOKENS), 500, (batch, length), generator=g)
 
 
 # ---------------------------------------------------------------------------
@@ -57,13 +60,13 @@ def _ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def test_saved_tokenizer_is_the_trained_one(tiny_dir, tok):
-    fresh = common.tiny_tokenizer()  # trained again in this process; the CLI trained it in another
+    fresh = modeling.tiny_tokenizer()  # trained again in this process; the CLI trained it in another
     assert tok.get_vocab() == fresh.get_vocab()
     assert tok.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
-    assert tok.chat_template == fresh.chat_template == common.CHAT_TEMPLATE
+    assert tok.chat_template == fresh.chat_template == modeling.CHAT_TEMPLATE
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|eot|>")
     assert tok.padding_side == "left"
-    assert 1000 <= len(tok) <= common.TOKENIZER_VOCAB
+    assert 1000 <= len(tok) <= modeling.TOKENIZER_VOCAB
     for text in (DOC, TRACE, MARKUP):
         assert tok.encode(text, add_special_tokens=False) == fresh.encode(text, add_special_tokens=False)
 
@@ -185,7 +188,7 @@ def test_lora_trains_only_the_adapter_and_reference_is_the_base(tiny_dir):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     shape = ModelShape.from_config(base.config.to_dict())
-    assert count_parameters(model, trainable=True) == shape.lora_params(4, common.LORA_TARGETS)
+    assert count_parameters(model, trainable=True) == shape.lora_params(4, modeling.LORA_TARGETS)
 
     ids = _ids()
     with torch.no_grad():
@@ -213,15 +216,15 @@ def test_load_trained_reads_full_weights_or_an_adapter_on_its_base(tiny_dir, tmp
     ids = _ids(seed=1)
     with torch.no_grad():
         want = model(ids).logits
-    back, _ = common.load_trained(str(tmp_path / "adapter"), device_name="cpu")
-    assert common.trained_model_config(str(tmp_path / "adapter")).name_or_path == str(tiny_dir)
+    back, _ = modeling.load_trained(str(tmp_path / "adapter"), device_name="cpu")
+    assert modeling.trained_model_config(str(tmp_path / "adapter")).name_or_path == str(tiny_dir)
     assert not back.training and not any(p.requires_grad for p in back.parameters())
     with torch.no_grad():
         assert torch.allclose(back(ids).logits, want, atol=1e-6)
-    full, _ = common.load_trained(str(tiny_dir), device_name="cpu")
+    full, _ = modeling.load_trained(str(tiny_dir), device_name="cpu")
     assert getattr(full, "peft_config", None) is None
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        common.load_trained(str(tmp_path / "nowhere"))
+        modeling.load_trained(str(tmp_path / "nowhere"))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
@@ -312,7 +315,7 @@ def test_shipped_model_configs(name, billions):
     shape = load_model_config(name)
     assert shape.n_params / 1e9 == pytest.approx(billions, abs=0.01)  # the sizes the model cards state
     assert load_model_config(name.lower()) == shape
-    assert "_source" in json.loads((common.MODEL_CONFIGS_DIR / f"{name}.json").read_text())
+    assert "_source" in json.loads((vram.MODEL_CONFIGS_DIR / f"{name}.json").read_text())
     plan = plan_memory(dataclasses.replace(GRPO, model=name))
     assert set(plan.stages) == {"sft", "rollout", "update"}
     assert all(v >= 0 for parts in plan.stages.values() for v in parts.values())
@@ -362,7 +365,7 @@ def test_planner_components():
     assert not hf.vllm and hf.total_gb("rollout") == pytest.approx(sum(hf.stages["rollout"].values()))
     assert hf.stages["rollout"]["kv_cache"] == pytest.approx(plan.vllm["kv_cache"])
     for name in plan.stages:
-        assert plan.fits[name] == {g: plan.min_gpu_gb[name] <= g for g in common.GPU_SIZES_GB}
+        assert plan.fits[name] == {g: plan.min_gpu_gb[name] <= g for g in vram.GPU_SIZES_GB}
     with pytest.raises(ConfigError):
         PlanConfig(quant="4bit", lora_rank=0)
 
@@ -383,7 +386,7 @@ def test_planner_matches_unsloth_grpo_post():
     unsloth = plan_memory(dataclasses.replace(BLOG, backend="unsloth"))
     # The post counts one fp32 copy (4 of the planner's 10 bytes per logit: bf16 head output, fp32 copy,
     # fp32 log-softmax kept for backward).
-    assert trl.stages["update"]["logits"] * 4 / common._LOGIT_BYTES == pytest.approx(78.3, rel=0.02)
+    assert trl.stages["update"]["logits"] * 4 / vram._LOGIT_BYTES == pytest.approx(78.3, rel=0.02)
     assert unsloth.stages["update"]["logits"] == pytest.approx(9.8, rel=0.02)
     assert trl.vllm["weights"] == pytest.approx(16, rel=0.10)
     assert unsloth.stages["update"]["weights"] == 0  # the engine's copy is the trainer's
@@ -414,7 +417,7 @@ def test_planner_matches_llama_factory_measurements(backend, seq_len, measured_g
 
 
 def test_plan_command_prints_every_shipped_model(capsys):
-    common.main(["plan", "model=all", "backend=unsloth"])
+    vram.main(["model=all", "backend=unsloth"])
     out = capsys.readouterr().out
     for name in ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B", "Qwen3-4B", "Qwen3-8B"):
         assert name in out

@@ -136,7 +136,7 @@ def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(
     -> teacher episodes -> teacher SFT -> KTO -> v17, v18, v19 -> eval -> distill, each command
     the stage's own script and config; every config loads with its script's own Config, and
     each stage starts from the one the recipe names."""
-    import common
+    import settings
     import distill
     import eval as eval_
     import filter_traces
@@ -158,7 +158,7 @@ def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(
         script, *rest = stage.argv
         if script in classes:
             at = rest.index("--compare") if "--compare" in rest else len(rest)
-            cfgs[stage.name] = common.load_config(classes[script], rest[:at])
+            cfgs[stage.name] = settings.load_config(classes[script], rest[:at])
     assert cfgs["sft"].data.train == cfgs["corpus"].out_dir + "/train.jsonl"
     assert cfgs["rejection"].init == "runs/sft_qwen3_4b/final" and cfgs["rejection"].mode == "rejection"
     assert cfgs["teacher_sft"].init == "runs/rejection_qwen3_4b/final"

@@ -9,13 +9,14 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+import hypothesis
+from hypothesis import given
 from hypothesis import strategies as st
 
-import common
 import newsworld
 import oracle
 import rewards as R
+import settings
 import sandbox
 from helpers import DOC, load_config_file
 
@@ -227,7 +228,7 @@ def test_a_summary_without_words_scores_zero_everywhere():
         assert R.lexical_factuality(DOC, empty) == 0.0
 
 
-@settings(max_examples=150, deadline=None)
+@hypothesis.settings(max_examples=150, deadline=None)
 @given(doc=st.text(max_size=300), summary=st.text(max_size=300))
 def test_rules_are_total_on_random_text(doc, summary):
     for r in R.rule_details(doc, summary).values():
@@ -235,7 +236,7 @@ def test_rules_are_total_on_random_text(doc, summary):
     assert 0.0 <= R.lexical_factuality(doc, summary) <= 1.0
 
 
-@settings(max_examples=150, deadline=None)
+@hypothesis.settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from(["12", "%", "$", "4.2", "billion", "bn", "March", "3", ",", "2024", "-", "/",
                                  "third", "twenty", "one", "hundred", "and", "percent", " ", ".", "p.m.", ":",
                                  "30", "US$", "1,000", "'s", "s", "th"]), max_size=30))
@@ -772,15 +773,15 @@ def test_reward_config_loads_as_a_group_of_a_script_config():
         name: str = "run"
         reward: R.RewardConfig = dataclasses.field(default_factory=R.RewardConfig)
 
-    cfg = common.load_config(RLConfig, ["reward.factuality=fenice", "reward.tools.budget_per_call=0.1",
+    cfg = settings.load_config(RLConfig, ["reward.factuality=fenice", "reward.tools.budget_per_call=0.1",
                                         "reward.rules.pass_at={numbers: 0.5}", "reward.curriculum.taus=[0.4, 0.6]"])
     assert cfg.reward.factuality == "fenice" and cfg.reward.tools.budget_per_call == 0.1
     assert cfg.reward.rules.pass_at["numbers"] == 0.5 and cfg.reward.rules.pass_at["length"] == 0.5
     assert cfg.reward.curriculum.taus == [0.4, 0.6]
-    with pytest.raises(common.ConfigError, match="did you mean 'reward.tools.w_match'"):
-        common.load_config(RLConfig, ["reward.tools.w_mach=1"])
+    with pytest.raises(settings.ConfigError, match="did you mean 'reward.tools.w_match'"):
+        settings.load_config(RLConfig, ["reward.tools.w_mach=1"])
     with pytest.raises(ValueError, match="did you mean 'numbers'"):
-        common.load_config(RLConfig, ["reward.rules.pass_at={number: 0.5}"])
+        settings.load_config(RLConfig, ["reward.rules.pass_at={number: 0.5}"])
 
 
 # ---------------------------------------------------------------------------

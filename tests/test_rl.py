@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import common
+import settings
+import modeling
 import data
 import newsworld
 import rl
@@ -272,8 +274,8 @@ def mention_reward(documents, episodes):
 
 
 def config(policy, docs, tmp_path, lora=False, **over):
-    cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=common.ModelConfig(
-        name_or_path=policy, lora=common.LoraConfig(enabled=lora, rank=4, alpha=8)),
+    cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(
+        name_or_path=policy, lora=modeling.LoraConfig(enabled=lora, rank=4, alpha=8)),
         data=rl.DataConfig(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1, lr=1e-2)
     cfg.sampling.max_new_tokens = 16
     cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=1, n_samples=2)
@@ -545,7 +547,7 @@ def flat_keys(d, prefix=""):
 
 
 def load(name, *over):
-    return common.load_config(rl.Config, ["--config", str(ROOT / "configs" / name), *over])
+    return settings.load_config(rl.Config, ["--config", str(ROOT / "configs" / name), *over])
 
 
 @pytest.mark.parametrize("name, change", [
@@ -555,7 +557,7 @@ def load(name, *over):
     ("ablation_rules_only.yaml", {"reward.w_factuality": 0.0, "reward.w_rules": 1.0}),
 ])
 def test_each_ablation_is_the_tiny_config_plus_its_stated_change(name, change):
-    base, abl = flat_keys(common.config_to_dict(load("tiny.yaml"))), flat_keys(common.config_to_dict(load(name)))
+    base, abl = flat_keys(settings.config_to_dict(load("tiny.yaml"))), flat_keys(settings.config_to_dict(load(name)))
     diff = {k for k in base.keys() | abl.keys() if base.get(k, "missing") != abl.get(k, "missing")}
     assert diff == {"name", *change} and {k: abl[k] for k in change} == change
     # a delta, not a copy: the file extends tiny.yaml and sets only the run name and the change
@@ -565,7 +567,7 @@ def test_each_ablation_is_the_tiny_config_plus_its_stated_change(name, change):
 
 
 def test_v17_v18_v19_step_by_step():
-    v17, v18, v19 = (flat_keys(common.config_to_dict(load(f"drgrpo_v{v}.yaml"))) for v in (17, 18, 19))
+    v17, v18, v19 = (flat_keys(settings.config_to_dict(load(f"drgrpo_v{v}.yaml"))) for v in (17, 18, 19))
     changed = lambda a, b: {k for k in a if a[k] != b[k]} - {"name"}  # noqa: E731
     # the recipe's three knobs for v18 (samples per problem, learning rate, KL anchor), and for
     # v19 its blended reward (with the teacher episodes it needs), the step cap and the context
@@ -583,8 +585,8 @@ def test_v17_v18_v19_step_by_step():
 
 
 def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything():
-    code = ("import sys, common, rl; "
-            "cfg = common.load_config(rl.Config, ['--config', 'configs/drgrpo_v19.yaml']); "
+    code = ("import sys, settings, rl; "
+            "cfg = settings.load_config(rl.Config, ['--config', 'configs/drgrpo_v19.yaml']); "
             "print(rl.format_plan(cfg)); print('transformers loaded:', 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "RL fits: 24 GB yes" in out and "transformers loaded: False" in out
@@ -601,7 +603,7 @@ def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything(
 @pytest.fixture(scope="module")
 def tiny_sft(tmp_path_factory):
     """Stands in for runs/sft_tiny/final: a full tiny-1m model saved with save_pretrained."""
-    return str(common.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("sft") / "final", seed=0))
+    return str(modeling.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("sft") / "final", seed=0))
 
 
 def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
@@ -615,8 +617,8 @@ def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
     assert out["step"] == 2 and len(out["history"]) == 2 and "eval_pass" in out["eval"]
     run = tmp_path / "rl_tiny"
     assert (run / "final" / "adapter_config.json").exists()
-    assert common.load_checkpoint(common.resolve_resume("auto", run), *common.load_policy(
-        common.ModelConfig(name_or_path=tiny_sft, lora=cfg.model.lora))[:1])["state"]["scorer"]["curriculum"]
+    assert common.load_checkpoint(common.resolve_resume("auto", run), *modeling.load_policy(
+        modeling.ModelConfig(name_or_path=tiny_sft, lora=cfg.model.lora))[:1])["state"]["scorer"]["curriculum"]
     with pytest.raises(SystemExit, match="sft.py --config configs/sft_tiny.yaml"):
         rl.main(load("tiny.yaml", f"init={tmp_path}/nowhere", f"runs_dir={tmp_path}/x"))
 
@@ -657,7 +659,7 @@ def test_rl_from_an_sft_adapter_anchors_the_kl_on_that_adapter_not_on_the_base(p
     eps = R.rollout(model, tok, [DOC], 2, R.SamplingConfig(max_new_tokens=12, temperature=1.0), S.Limits())
     with torch.no_grad():
         now = rl.logprobs(model, eps, cfg, 1.0)
-        with common.reference_model(model):
+        with modeling.reference_model(model):
             ref = rl.logprobs(model, eps, cfg, 1.0)
         with model.disable_adapter():
             bare = rl.logprobs(model, eps, cfg, 1.0)

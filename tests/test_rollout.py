@@ -211,12 +211,12 @@ def test_api_client_gives_up_with_a_clear_error():
 @pytest.mark.gpu
 def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - needs CUDA and vLLM
     vllm = pytest.importorskip("vllm")
-    import common
+    import modeling
     import newsworld
     from transformers import AutoModelForCausalLM
 
-    path = common.build_tiny_model("tiny-1m", tmp_path / "m")
-    tok = common.load_tokenizer(path)
+    path = modeling.build_tiny_model("tiny-1m", tmp_path / "m")
+    tok = modeling.load_tokenizer(path)
     llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
                    logprobs_mode="processed_logprobs")
     docs = [d.text for d in newsworld.documents(4, seed=0)]
@@ -238,7 +238,7 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import common
+    import modeling
 
     vocab = {"<|im_end|>": 0, "<|endoftext|>": 1, "<|pad|>": 2, "a": 3, "b": 4, "<|special|>": 5}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
@@ -247,12 +247,12 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
                                   extra_special_tokens=["<|endoftext|>", "<|special|>"])
     tok.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
-    loaded = common.load_tokenizer(str(tmp_path))
+    loaded = modeling.load_tokenizer(str(tmp_path))
     assert loaded.generation_eos_ids == [0, 5]
     assert R.stop_ids(loaded) == [0, 1, 5]  # eos, <|endoftext|> by name, the config's 5
     (tmp_path / "generation_config.json").write_text("{not json")
-    assert common.load_tokenizer(str(tmp_path)).generation_eos_ids == []
-    assert common.generation_eos_ids(str(tmp_path / "nowhere")) == []
+    assert modeling.load_tokenizer(str(tmp_path)).generation_eos_ids == []
+    assert modeling.generation_eos_ids(str(tmp_path / "nowhere")) == []
 
 
 def test_make_generator_lives_on_the_models_device_and_draws_like_the_default():

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import common
+import settings
+import modeling
 import sandbox as S
 import sft
 from helpers import killed_after_checkpoint, newsworld_traces
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = common.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("m") / "tiny", seed=0)
+    path = modeling.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("m") / "tiny", seed=0)
     return str(path)
 
 
@@ -37,7 +39,7 @@ def traces(tmp_path_factory):
 
 
 def test_sequence_loss_equals_a_hand_computation(tiny):
-    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
     ep = S.replay("Acme rose 5%. Globex fell.", 'Acme fell.<search>/Acme/</search><delete scope="sentence"/> '
                   "Acme rose 5%.").tokenized(tok)
     n = sft.n_generated(ep)
@@ -71,7 +73,7 @@ MASK_DOC = "Acme rose 5%. Globex fell 3% in May."
 
 
 def test_error_masking_trains_no_retracted_character(tiny):
-    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
     text = (f"Globex fell 3% in May. {WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%. "
             f"Acme hired.<delete scope=\"clause\"/> Globex, in May, fell 3%.")
     ep = S.replay(MASK_DOC, text).tokenized(tok)
@@ -94,7 +96,7 @@ def test_error_masking_trains_no_retracted_character(tiny):
 
 
 def test_error_masking_off_trains_every_generated_id_as_before(tiny):
-    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
     ep = S.replay(MASK_DOC, f"{WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%.").tokenized(tok)
     plain = ep.branches()
     assert [b.loss_mask for b in ep.branches(mask_retracted=False)] == [b.loss_mask for b in plain]
@@ -108,7 +110,7 @@ def test_error_masking_off_trains_every_generated_id_as_before(tiny):
 
 
 def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(tiny):
-    model, tok = common.load_policy(common.ModelConfig(name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
     text = (f"{WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%. Globex fell 3% in May."
             "<search>/Globex/</search> Globex fell.")
     ep = S.replay(MASK_DOC, text).tokenized(tok)
@@ -126,7 +128,7 @@ def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(t
     assert torch.allclose(got, plain - 3.0 * lp.sum() / base, atol=1e-5)
     with pytest.raises(ValueError, match="tokenizer"):
         sft.sequence_loss(model, [ep], base, rewrite_weight=2.0)
-    with pytest.raises(common.ConfigError, match="rewrite_weight"):
+    with pytest.raises(settings.ConfigError, match="rewrite_weight"):
         sft.Config(rewrite_weight=-1.0)
 
 
@@ -138,7 +140,7 @@ def test_the_cli_reports_a_config_error_in_one_line():
 
 
 def test_a_plain_mask_check_rejects_a_masked_branch_without_masked_ids(tiny):
-    tok = common.load_tokenizer(tiny)
+    tok = modeling.load_tokenizer(tiny)
     ep = S.replay(MASK_DOC, "Acme rose 5%.<search>/Acme/</search> Globex fell 3% in May.").tokenized(tok)
     (b, *_), = [ep.branches()]
     bad = S.Branch(b.input_ids, [0 if i == b.turns[0][1] else m for i, m in enumerate(b.loss_mask)], b.logprobs, b.turns)
@@ -155,7 +157,7 @@ def test_epoch_batches_cover_each_item_once_and_repeat_by_seed():
 
 
 def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
-    tok = common.load_tokenizer(tiny)
+    tok = modeling.load_tokenizer(tiny)
     eps = [e.tokenized(tok) for e in newsworld_traces(5, seed=2)]
     assert sft.validate_masks(eps, tok, 5) == 5
     real = S.Episode.branches
@@ -169,8 +171,8 @@ def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
 
 
 def cfg_for(tiny, traces, tmp_path, **over):
-    cfg = sft.Config(name="t", runs_dir=str(tmp_path), model=common.ModelConfig(
-        name_or_path=tiny, lora=common.LoraConfig(enabled=False)))
+    cfg = sft.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(
+        name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
     cfg.data = sft.DataConfig(train=str(traces / "train.jsonl"), eval=str(traces / "eval.jsonl"))
     cfg.eval = sft.EvalConfig(every=0, n_docs=8, max_new_tokens=60)
     for k, v in over.items():
@@ -182,7 +184,7 @@ def cfg_for(tiny, traces, tmp_path, **over):
 def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_path):
     # ~120 steps: enough for a 1M model from scratch to pick up the tool syntax
     cfg = cfg_for(tiny, traces, tmp_path, epochs=9.6, batch_episodes=8, lr=5e-3, warmup_steps=10, save_every=0)
-    model, tok = common.load_policy(cfg.model)
+    model, tok = modeling.load_policy(cfg.model)
     held = [e.tokenized(tok) for e in S.read_episodes(cfg.data.eval)]
     docs = sft.held_out_documents(held, "", 8)
     before_loss = sft.eval_loss(model, held, 16384)
@@ -343,13 +345,13 @@ def test_kto_mode_prefers_the_desirable_episodes_and_its_guard_stops_it(tiny, tr
     cfg = cfg_for(tiny, traces, tmp_path / "kto", mode="kto", epochs=4, batch_episodes=8, lr=5e-3,
                   save_every=0, kto=sft.KTOConfig(beta=0.5, min_emission_ratio=0.0))
     cfg.data.limit = 16
-    model0, tok = common.load_policy(cfg.model)
+    model0, tok = modeling.load_policy(cfg.model)
     eps = [e.tokenized(tok) for e in base]
     with torch.no_grad():
         before = sft.episode_logps(model0, eps)
     sft.main(cfg)
-    model1, _ = common.load_policy(common.ModelConfig(name_or_path=str(tmp_path / "kto" / "t" / "final"),
-                                                      lora=common.LoraConfig(enabled=False)))
+    model1, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=str(tmp_path / "kto" / "t" / "final"),
+                                                      lora=modeling.LoraConfig(enabled=False)))
     with torch.no_grad():
         after = sft.episode_logps(model1, eps)
     moved = after - before

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import common
+import settings
+import modeling
 import data
 import newsworld
 import oracle
@@ -22,7 +23,7 @@ def _cfg(tmp_path, *overrides):
     docs = tmp_path / "docs.jsonl"
     if not docs.exists():
         data.write_jsonl(str(docs), DOCS)
-    return common.load_config(st.Config, [f"docs_path={docs}", f"out_path={tmp_path / 'traces.jsonl'}",
+    return settings.load_config(st.Config, [f"docs_path={docs}", f"out_path={tmp_path / 'traces.jsonl'}",
                                           f"runs_dir={tmp_path / 'runs'}", "batch_docs=4", *overrides])
 
 
@@ -249,7 +250,7 @@ def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
         assert summary["cost_usd"] == pytest.approx(3 * cost, abs=1e-4) and summary["teacher_requests"] == 3
         assert len(os.listdir(tmp_path / "cache")) >= 1
 
-        again = st.main(common.load_config(st.Config, [*keys, f"docs_path={cfg.docs_path}",
+        again = st.main(settings.load_config(st.Config, [*keys, f"docs_path={cfg.docs_path}",
                                                         f"out_path={tmp_path / 'again.jsonl'}",
                                                         f"runs_dir={tmp_path / 'runs'}"]))
         assert len(server.log) == 5, "a second run must not repeat a paid request"
@@ -313,7 +314,7 @@ def test_limit_then_all_and_shards_merge_to_the_same_traces(tmp_path):
     ref_lines = sorted(open(ref.out_path, encoding="utf-8").read().splitlines())
 
     cfg = _cfg(tmp_path)
-    assert st.main(common.load_config(st.Config, st.flags_to_keys(
+    assert st.main(settings.load_config(st.Config, st.flags_to_keys(
         [f"docs_path={cfg.docs_path}", f"out_path={cfg.out_path}", f"runs_dir={tmp_path / 'runs'}",
          "--limit", "5"])))["documents"] == 5
     st.main(cfg)
@@ -340,7 +341,7 @@ def test_limit_then_all_and_shards_merge_to_the_same_traces(tmp_path):
 def test_shard_parsing_and_flags():
     assert st.parse_shard("1/4") == (1, 4)
     for bad in ("4/4", "1", "a/b", "-1/2"):
-        with pytest.raises(common.ConfigError):
+        with pytest.raises(settings.ConfigError):
             st.parse_shard(bad)
     assert st.flags_to_keys(["--shard", "0/2", "--limit=7", "seed=1"]) == ["shard=0/2", "limit=7", "seed=1"]
     assert sorted({st.shard_of(d.id, 3) for d in DOCS}) == [0, 1, 2]
@@ -368,8 +369,8 @@ def test_newsworld_run_records_provenance(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    mcfg = common.ModelConfig(name_or_path="tiny-1m")
-    return common.load_policy(mcfg, train=False)
+    mcfg = modeling.ModelConfig(name_or_path="tiny-1m")
+    return modeling.load_policy(mcfg, train=False)
 
 
 def test_prompted_tokenizer_swaps_the_prompt(tiny):
@@ -430,7 +431,7 @@ def test_model_drafter_continues_from_the_edited_context(tmp_path, tiny):
 
 def test_model_teacher_junk_is_rejected_and_cached(tmp_path, tiny):
     model, tok = tiny
-    tcfg = common.load_config(st.TeacherConfig, ["backend=model", f"cache_dir={tmp_path}",
+    tcfg = settings.load_config(st.TeacherConfig, ["backend=model", f"cache_dir={tmp_path}",
                                                  "generate.max_new_tokens=12"])
     ann = st.TeacherAnnotator(st.ModelTeacher(tcfg, model, tok))
     first = ann.annotate_many([(DOCS[0], DOCS[0].summary), (DOCS[1], DOCS[1].summary)])
@@ -450,7 +451,7 @@ class _FakeClient:
 
 
 def test_identical_requests_are_paid_once(tmp_path):
-    tcfg = common.load_config(st.TeacherConfig, ["backend=api", "api_model=gpt-4o-mini", f"cache_dir={tmp_path}"])
+    tcfg = settings.load_config(st.TeacherConfig, ["backend=api", "api_model=gpt-4o-mini", f"cache_dir={tmp_path}"])
     client = _FakeClient()
     ann = st.TeacherAnnotator(st.ApiTeacher(tcfg, client=client))
     pair = (DOCS[0], DOCS[0].summary)

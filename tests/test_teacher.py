@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import common
+import settings
 import data
 import newsworld
 import oracle
@@ -92,15 +92,15 @@ def test_bad_setups_fail_with_the_fix(docs, tmp_path):
         T.main(config(docs, tmp_path, "http://127.0.0.1:9/v1", sampling=T.rollout.SamplingConfig(backend="api")))
     with pytest.raises(SystemExit, match="python data.py load"):
         T.main(config(str(tmp_path / "none.jsonl"), tmp_path, "http://127.0.0.1:9/v1"))
-    assert common.load_config(T.Config, ["--config", "configs/teacher_cnn.yaml"]).out == \
-        common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml"]).data.teacher
+    assert settings.load_config(T.Config, ["--config", "configs/teacher_cnn.yaml"]).out == \
+        settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml"]).data.teacher
 
 
 def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
-    cfg = common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", f"data.teacher={tmp_path}/none.jsonl"])
+    cfg = settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", f"data.teacher={tmp_path}/none.jsonl"])
     with pytest.raises(SystemExit, match="python teacher_episodes.py --config configs/teacher_cnn.yaml"):
         rl.main(cfg)
-    cfg = common.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "data.teacher="])
+    cfg = settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "data.teacher="])
     with pytest.raises(SystemExit, match="w_match=0.3 needs teacher episodes"):
         rl.main(cfg)
 

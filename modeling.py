@@ -1,0 +1,512 @@
+"""Models: the tiny CPU policies (a news-world tokenizer, Llama presets) and policy loading.
+
+    python modeling.py --preset tiny-1m --out DIR [--seed S]
+
+Policy loading has one reference path (torch, transformers, peft) that runs
+everywhere; bitsandbytes (4/8-bit), Unsloth and vLLM are imported only in the
+branch a config asks for, and a missing one raises an ImportError that says how
+to install it. torch, transformers and peft are imported inside the functions
+that use them, so importing this module stays fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import random
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+
+import common
+from settings import ConfigError
+
+
+# ---------------------------------------------------------------------------
+# The tiny policies: a news-world tokenizer and Llama-style models from presets
+# ---------------------------------------------------------------------------
+# No machine here reaches a model hub (DESIGN section 6), so the CPU default is
+# a tokenizer trained on the built-in news world and a Llama model initialised
+# from a preset, both written with save_pretrained: every script then loads them
+# through the same from_pretrained path as a hub model.
+#
+# The tokenizer is byte-level BPE without a prefix space, so decoding token by
+# token concatenates to the full decode (sandbox.token_bounds relies on it).
+# Tool markup stays ordinary BPE text, as in real vocabularies; the corpus
+# contains enough of it that `<search>` and `</search>` are a few tokens each.
+# Only the chat markers are special tokens. `<|eot|>` ends a turn and is the
+# eos token; padding is on the left, for batched generation.
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>")
+
+# Each turn is `<|role|>content<|eot|>`; the generation prompt is `<|assistant|>`, so
+# a completion is the assistant's text followed by `<|eot|>`. A system message is
+# rendered as its marker alone: a tiny model is trained from scratch on the protocol
+# and reads no instructions, and the tool description (87 of its tokens) was 40% of
+# every news-world prompt, so of every training sequence and every prefill.
+# Real chat models keep their own template and read the whole system prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% if message['role'] == 'system' %}<|system|><|eot|>"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|eot|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+TOKENIZER_VOCAB = 3000     # DESIGN section 6 measured its tiny models with a 3k BPE
+TOKENIZER_DOCS = 2000      # news-world documents the tokenizer is trained on
+TOKENIZER_SEED = 1         # fixed: every preset and model seed shares one vocabulary
+TINY_MAX_POSITIONS = 4096
+TINY_MARKER = "tiny_model.json"
+TINY_FORMAT = 2            # bump when the build changes, so old directories are rebuilt
+
+# Llama shapes. tiny-1m is the CPU default (DESIGN section 6: the smallest preset
+# is the one that learns within minutes on two cores); the larger ones use
+# grouped-query attention as real Llama/Qwen models do, to exercise that path.
+TINY_PRESETS: dict[str, dict[str, int]] = {
+    "tiny-1m": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, intermediate_size=512),
+    # a distillation student of tiny-1m (distill.py): half its width, the same depth
+    "tiny-0.3m": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=256),
+    "tiny-8m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=1024),
+    "tiny-30m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=1792),
+}
+
+
+def _tokenizer_texts(n_docs: int, seed: int) -> list[str]:
+    """News-world articles, their reference summaries, the chat prompt and tool markup.
+
+    The markup strings are built from the documents the way traces use them: a
+    summary sentence, a search (a regex on one of its phrases, or keywords), the
+    results block, a delete and the rewrite.
+    """
+    import re
+
+    import newsworld
+    from sandbox import error_block, prompt_messages, results_block, split_sentences
+
+    rng = random.Random(seed)
+    texts = [m["content"] for m in prompt_messages("")]
+    for doc in newsworld.documents(n_docs, seed):
+        texts += [prompt_messages(doc.text)[1]["content"], doc.summary]
+        sentences = split_sentences(doc.text) or [doc.text]
+        claims = split_sentences(doc.summary) or [doc.summary]
+        claim = rng.choice(claims)
+        words = claim.rstrip(".").split()
+        start = rng.randrange(max(1, len(words) - 2))
+        phrase = " ".join(words[start:start + rng.randint(2, 4)])
+        if rng.random() < 0.5:
+            query = "/" + re.escape(phrase) + "/" + rng.choice(["", "i"])
+        else:
+            query = " ".join(rng.sample(words, min(3, len(words))))
+        hits = rng.sample(sentences, min(len(sentences), rng.randint(0, 3)))
+        answer = results_block(hits) if rng.random() < 0.9 else error_block("no match")
+        scope = rng.choice(["sentence", "clause"])
+        texts.append(f"{claim}<search>{query}</search>{answer}<delete scope=\"{scope}\"/> {claim}")
+    return texts
+
+
+@functools.cache
+def _tokenizer_json(vocab_size: int, n_docs: int, seed: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_tokenizer_texts(n_docs, seed), trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = TOKENIZER_VOCAB, n_docs: int = TOKENIZER_DOCS, seed: int = TOKENIZER_SEED):
+    """The news-world BPE as a transformers fast tokenizer (trained once per process)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, n_docs, seed)),
+        bos_token="<|bos|>", eos_token="<|eot|>", pad_token="<|pad|>",
+        extra_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        padding_side="left", clean_up_tokenization_spaces=False,
+        model_max_length=TINY_MAX_POSITIONS, chat_template=CHAT_TEMPLATE)
+
+
+def _tiny_spec(preset: str, seed: int) -> dict:
+    """Everything a build depends on; a directory built from another spec is rebuilt."""
+    import newsworld
+
+    if preset not in TINY_PRESETS:
+        raise ConfigError(f"unknown tiny preset {preset!r}; choose one of {', '.join(TINY_PRESETS)}")
+    return {"format": TINY_FORMAT, "preset": preset, "seed": seed, "shape": TINY_PRESETS[preset],
+            "tokenizer": {"vocab_size": TOKENIZER_VOCAB, "n_docs": TOKENIZER_DOCS, "seed": TOKENIZER_SEED,
+                          "world": newsworld.WORLD_VERSION}}
+
+
+def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, tokenizer=None) -> Path:
+    """Write a freshly initialised tiny Llama and its tokenizer to `out_dir`; return the path.
+
+    Same preset and seed give the same weights. `tokenizer` (default: the tiny
+    tokenizer trained on the news world) sets the vocabulary, e.g. a distillation
+    student's over its teacher's. A directory already built with the same preset,
+    seed, tokenizer and build format is reused as it is (its `tiny_model.json`
+    says so). The build happens in a temp directory moved into place at the end,
+    so an interrupted build never leaves a half-written model.
+    """
+    spec = _tiny_spec(preset, seed)
+    if tokenizer is not None:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        spec["tokenizer"] = {"vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest()}
+    out = Path(out_dir)
+    marker = out / TINY_MARKER
+    if marker.is_file():
+        if json.loads(marker.read_text(encoding="utf-8")).get("spec") == spec:
+            return out
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and holds no {TINY_MARKER}; refusing to replace it")
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        attn_implementation="sdpa", **TINY_PRESETS[preset])
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    with common.atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        common.atomic_write_text(Path(tmp) / TINY_MARKER, json.dumps(
+            {"spec": spec, "n_params": common.count_parameters(model), "vocab_size": len(tok)}, indent=2) + "\n")
+    return out
+
+
+TINY_MODELS_DIR = Path("out") / "models"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A tiny preset name (`tiny-1m`) that is not an existing path is built into
+    `out/models/NAME` on first use; anything else (hub id, directory) passes through."""
+    if name_or_path in TINY_PRESETS and not Path(name_or_path).exists():
+        return str(build_tiny_model(name_or_path, TINY_MODELS_DIR / name_or_path))
+    return name_or_path
+
+
+# ---------------------------------------------------------------------------
+# Policy loading: HF + PEFT (reference path), bitsandbytes, Unsloth (+ vLLM)
+# ---------------------------------------------------------------------------
+# The reference path (torch, transformers, peft) runs everywhere; bitsandbytes,
+# Unsloth and vLLM are imported only in the branch that asks for them
+# (DESIGN section 8), and a missing one raises an ImportError that says how to
+# install it. The reference policy of RL is the same model with its adapter
+# disabled (`reference_model`), so it costs no second copy of the weights.
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPU_INSTALL_HINT = "pip install -r requirements-gpu.txt"
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    enabled: bool = True     # False: full fine-tune (quant must be none; reference needs frozen_copy)
+    rank: int = 16
+    alpha: int = 32          # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    # module names; ["all-linear"] means every linear layer but the output head
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    # HF hub id, local directory, or a tiny preset name (built into out/models/ on first use)
+    name_or_path: str = "tiny-1m"
+    adapter_path: str | None = None      # a saved PEFT adapter to load on top (resume, eval)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    quant: Literal["none", "4bit", "8bit"] = "none"  # bitsandbytes; 4bit is NF4 with double quantisation
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    backend: Literal["hf", "unsloth"] = "hf"
+    fast_inference: bool = False         # Unsloth's colocated vLLM engine (backend=unsloth only)
+    max_seq_len: int = 2048              # prompt + completion; Unsloth/vLLM size their buffers by it
+    # the tree-mask scoring path (DESIGN section 4) needs sdpa or eager, not flash attention
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gpu_memory_utilization: float = 0.5  # share of the GPU vLLM reserves (fast_inference)
+
+    def __post_init__(self):
+        if self.fast_inference and self.backend != "unsloth":
+            raise ConfigError("model.fast_inference needs model.backend='unsloth' (vLLM runs inside Unsloth)")
+        if self.quant != "none" and not self.lora.enabled:
+            raise ConfigError(f"model.quant={self.quant!r} trains through LoRA only; "
+                              "set model.lora.enabled=true or model.quant=none")
+        if not 0.0 < self.gpu_memory_utilization < 1.0:
+            raise ConfigError(f"model.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.lora.enabled and self.lora.rank < 1:
+            raise ConfigError(f"model.lora.rank must be >= 1, got {self.lora.rank}")
+
+
+def resolve_dtype(name: str, device_name: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device_name.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(name_or_path: str):
+    """AutoTokenizer with left padding and a pad token (eos when the model has none,
+    as Llama 3 does; loss masks come from the episode, never from pad ids)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.generation_eos_ids = generation_eos_ids(path)
+    return tok
+
+
+def generation_eos_ids(name_or_path: str) -> list[int]:
+    """The end ids of a model's generation config (`eos_token_id`, an int or a
+    list: Qwen3's is [<|im_end|>, <|endoftext|>]); [] when it has none or it
+    cannot be read (a hub id with no local copy)."""
+    local = Path(name_or_path) / "generation_config.json"
+    try:
+        if local.exists():
+            eos = json.loads(local.read_text()).get("eos_token_id")
+        else:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
+    except Exception:  # no generation config is not an error: the tokenizer's ids remain
+        return []
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted({int(i) for i in eos if isinstance(i, int) and i >= 0})
+
+
+def _require(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{why} needs the `{module}` package, which is not installed: {hint}")
+
+
+def _bnb_config(quant: str, compute_dtype):
+    _require("bitsandbytes", f"model.quant={quant!r}", "pip install bitsandbytes==0.50.2")
+    from transformers import BitsAndBytesConfig
+
+    if quant == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _peft_lora(cfg: LoraConfig):
+    import peft
+
+    targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = None):
+    """(model, tokenizer) for `cfg`: the model on `device_name` (default: `device()`).
+
+    train=True: quantised models go through peft's prepare_model_for_kbit_training,
+    gradient checkpointing is enabled if asked, LoRA is attached (or the saved
+    adapter loaded as trainable), and the model is in train mode. Without LoRA
+    every weight trains (full fine-tune). train=False: everything frozen, eval mode.
+    """
+    if cfg.backend == "unsloth":
+        return _load_unsloth(cfg, train)
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path)
+    dev = device_name or common.device()
+    dtype = resolve_dtype(cfg.dtype, dev)
+    tok = load_tokenizer(path)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+    if cfg.quant != "none":
+        kwargs["quantization_config"] = _bnb_config(cfg.quant, dtype)
+        kwargs["device_map"] = {"": dev}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if cfg.quant == "none":
+        model.to(dev)
+    checkpointing = {"use_reentrant": False}
+    if train and cfg.quant != "none":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=checkpointing)
+    elif train and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    if cfg.adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.adapter_path, is_trainable=train)
+    elif train and cfg.lora.enabled:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _peft_lora(cfg.lora))
+    if train:
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    return model, tok
+
+
+def trained_model_config(path: str, base: ModelConfig | None = None) -> ModelConfig:
+    """The ModelConfig that loads a trained directory: full weights (an SFT or
+    distilled `final/`) load as the model; a PEFT adapter (an RL `final/`) loads
+    on top of the base its adapter_config.json names. `base` supplies the rest
+    (dtype, quantisation, attention)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such model directory")
+    base = base or ModelConfig()
+    adapter = p / "adapter_config.json"
+    if not adapter.exists():
+        return dataclasses.replace(base, name_or_path=str(p), adapter_path=None)
+    name = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    if not name:
+        raise ValueError(f"{adapter}: no base_model_name_or_path; cannot tell which model the adapter is for")
+    return dataclasses.replace(base, name_or_path=name, adapter_path=str(p))
+
+
+def load_trained(path: str, train: bool = False, base: ModelConfig | None = None, device_name: str | None = None):
+    """(model, tokenizer) from a trained directory (see `trained_model_config`)."""
+    return load_policy(trained_model_config(path, base), train=train, device_name=device_name)
+
+
+def _load_unsloth(cfg: ModelConfig, train: bool):
+    """Unsloth's FastLanguageModel (argument names as in Unsloth's GRPO notebooks);
+    with fast_inference its vLLM engine shares the weights (`model.fast_generate`)."""
+    _require("unsloth", "model.backend='unsloth'")
+    if cfg.fast_inference:
+        _require("vllm", "model.fast_inference=true")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("model.backend='unsloth' needs a CUDA GPU; use model.backend=hf on a CPU")
+    from unsloth import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(
+        model_name=cfg.adapter_path or resolve_model_path(cfg.name_or_path),  # an adapter dir names its base
+        max_seq_length=cfg.max_seq_len,
+        dtype=None if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
+        load_in_4bit=cfg.quant == "4bit",
+        load_in_8bit=cfg.quant == "8bit",
+        full_finetuning=not cfg.lora.enabled,
+        fast_inference=cfg.fast_inference,
+        max_lora_rank=cfg.lora.rank,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+    )
+    if train and cfg.lora.enabled and cfg.adapter_path is None:
+        model = FastLanguageModel.get_peft_model(
+            model, r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=LORA_TARGETS if cfg.lora.target_modules == ["all-linear"] else list(cfg.lora.target_modules),
+            bias="none",
+            # "unsloth" offloads the checkpoints to CPU memory (the planner's backend=unsloth)
+            use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False,
+            random_state=torch.initial_seed() % 2**32)
+    if not train:
+        FastLanguageModel.for_inference(model)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.generation_eos_ids = generation_eos_ids(resolve_model_path(cfg.name_or_path))
+    return model, tok
+
+
+def check_score_method(backend: str, method: str, key: str = "score_method") -> None:
+    """Tree scoring (one sequence per episode or group with a 4D mask) needs an
+    attention that takes arbitrary masks (sdpa, eager); Unsloth's fused kernels
+    take none, so an Unsloth model must score branch by branch."""
+    if backend == "unsloth" and method in ("tree", "group"):
+        raise ConfigError(f"{key}={method!r} needs arbitrary 4D attention masks, which model.backend='unsloth' "
+                          f"does not take: set {key}=branch")
+
+
+@contextmanager
+def reference_model(model):
+    """The reference policy, inside the block: the frozen `common.REFERENCE_ADAPTER`
+    when the model carries one (`add_reference_adapter`: training continues an
+    adapter, so the starting policy is base + that adapter as loaded), else
+    `model` with its LoRA adapter disabled (the init weights, when training
+    put a fresh adapter on them).
+
+        with torch.no_grad(), reference_model(policy) as ref:
+            ref_logits = ref(input_ids).logits
+
+    No second copy of the base weights. A model without an adapter (full
+    fine-tune) has no such view: keep `frozen_copy(model)` from before training.
+    """
+    if not getattr(model, "peft_config", None) or not hasattr(model, "disable_adapter"):
+        raise ValueError("reference_model needs a PEFT (LoRA) model; a fully fine-tuned policy needs "
+                         "a frozen copy of its initial weights: ref = frozen_copy(model) before training")
+    if common.REFERENCE_ADAPTER in model.peft_config:
+        active = model.active_adapter
+        model.set_adapter(common.REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield model
+        finally:
+            model.set_adapter(active)  # trainable again; the reference frozen
+        return
+    with model.disable_adapter():
+        yield model
+
+
+
+def add_reference_adapter(model, adapter_dir: str | os.PathLike) -> None:
+    """Load `adapter_dir` a second time, frozen, as the reference policy of a run
+    that continues that adapter (RL from an SFT adapter: the KL anchors on the
+    SFT policy, not on the base model). The trained adapter stays active."""
+    active = model.active_adapter
+    model.load_adapter(str(adapter_dir), adapter_name=common.REFERENCE_ADAPTER, is_trainable=False)
+    model.set_adapter(active)
+
+
+
+
+def frozen_copy(model):
+    """A deep copy with every parameter frozen, in eval mode: the reference policy of a full fine-tune."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="modeling.py", description="Build a tiny Llama policy and its "
+                                     "news-world tokenizer (save_pretrained format).")
+    parser.add_argument("--preset", choices=list(TINY_PRESETS), default="tiny-1m")
+    parser.add_argument("--out", required=True, help="directory to write (reused if already built)")
+    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.preset, args.out, args.seed)
+    info = json.loads((path / TINY_MARKER).read_text(encoding="utf-8"))
+    print(f"{args.preset} (seed {args.seed}): {info['n_params']:,} parameters, "
+          f"vocabulary {info['vocab_size']} -> {path}")
+
+
+if __name__ == "__main__":
+    main()
