@@ -41,6 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # before bench/, whose rewards.py is a benchmark, not the module
+import claims  # noqa: E402
 import rewards as R  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
@@ -65,7 +66,7 @@ def word_overlap(document: str, summary: str) -> float:
 def entity_number(document: str, summary: str) -> float:
     """The share of the summary's names and numbers whose text occurs in the document (1 with none)."""
     doc = document.lower()
-    items = [" ".join(e) for e in R.entities(summary)] + [n.text.lower() for n in R.numbers(summary)]
+    items = [" ".join(e) for e in claims.entities(summary)] + [n.text.lower() for n in claims.numbers(summary)]
     return sum(i in doc for i in items) / len(items) if items else 1.0
 
 
@@ -162,7 +163,7 @@ def run(records: list[dict], scorers: list[str], learned: str) -> dict:
     for name in scorers:
         fn = make_scorer(name, learned)
         R._SUPPORT_DOCS.clear()
-        R._DOC_CACHE.clear()
+        claims._DOC_CACHE.clear()
         t0 = time.perf_counter()
         scores = np.array([fn(r["document"], r["summary"]) for r in records], float)
         dt = time.perf_counter() - t0

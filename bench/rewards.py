@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import newsworld  # noqa: E402
 import oracle  # noqa: E402
+import claims  # noqa: E402
+import fenice  # noqa: E402
 import rewards as R  # noqa: E402
 
 CLAIM_FAIL = 0.75  # a summary sentence scoring below this is flagged by the lexical scorer
@@ -54,7 +56,7 @@ def per_second(groups, fn, repeats: int = 3) -> float:
     n = sum(len(s) for _, s in groups)
     best = float("inf")
     for _ in range(repeats):
-        R._DOC_CACHE.clear()
+        claims._DOC_CACHE.clear()
         t0 = time.perf_counter()
         for doc, summaries in groups:
             fn(doc, summaries)
@@ -64,7 +66,7 @@ def per_second(groups, fn, repeats: int = 3) -> float:
 
 def fenice_ratio(groups, group: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = R.build_tiny_fenice(tmp, texts=[d.text for d, _ in groups[:20]])
+        cfg = fenice.build_tiny_fenice(tmp, texts=[d.text for d, _ in groups[:20]])
         f = R.Fenice(cfg)
         f.score_batch([(groups[0][0].text, groups[0][1][0])])  # load and warm up both models
         t_group = t_single = t_warm = 0.0

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 import newsworld
 import oracle
+import claims
+import fenice
 import rewards as R
 import settings
 import sandbox
@@ -79,7 +81,7 @@ def test_number_consistency(doc, summary, expected):
 
 def test_numbers_normalise_to_the_same_values():
     def values(text):
-        return [(n.kind, n.value, n.currency) for n in R.numbers(text)]
+        return [(n.kind, n.value, n.currency) for n in claims.numbers(text)]
     assert values("12%") == values("12 percent") == values("twelve percent") == [("percent", 12.0, None)]
     assert values("$4.2 billion") == values("$4,200,000,000") == values("4.2bn dollars") == \
         [("money", 4.2e9, "USD")]
@@ -108,9 +110,9 @@ def test_entity_overlap(summary, expected):
 
 
 def test_entities_found_by_the_heuristic():
-    assert R.entities(DOC) == [("acme", "corp"), ("jane", "k", "doe"), ("us",), ("smith",), ("new", "york"),
+    assert claims.entities(DOC) == [("acme", "corp"), ("jane", "k", "doe"), ("us",), ("smith",), ("new", "york"),
                                ("rival", "globex")]
-    assert R.entities("The Bank of America said so. Mr. Lee met Mayor Ruth Hale on Monday.") == [
+    assert claims.entities("The Bank of America said so. Mr. Lee met Mayor Ruth Hale on Monday.") == [
         ("bank", "of", "america"), ("lee",), ("ruth", "hale")]
 
 
@@ -130,7 +132,7 @@ def test_spacy_ner_is_used_only_when_asked(monkeypatch):
             ents=[Ent("Initech", "ORG", text.find("Initech"))] if "Initech" in text else [])
 
     monkeypatch.setitem(sys.modules, "spacy", types.SimpleNamespace(load=load))
-    monkeypatch.setattr(R, "_spacy_pipelines", {})
+    monkeypatch.setattr(claims, "_spacy_pipelines", {})
     cfg = R.RewardConfig(rules=R.RuleConfig(ner="spacy", spacy_model="fake_model"))
     assert R.rule_scores(DOC, "Initech reported revenue.", cfg)["entities"] == 0.0
     assert calls == ["fake_model"]
@@ -142,7 +144,7 @@ def test_spacy_missing_gives_an_install_hint(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "spacy", None)
-    monkeypatch.setattr(R, "_spacy_pipelines", {})
+    monkeypatch.setattr(claims, "_spacy_pipelines", {})
     with pytest.raises(ImportError, match="pip install spacy"):
         R.rule_scores(DOC, "Acme rose.", R.RewardConfig(rules=R.RuleConfig(ner="spacy")))
 
@@ -242,8 +244,8 @@ def test_rules_are_total_on_random_text(doc, summary):
                                  "30", "US$", "1,000", "'s", "s", "th"]), max_size=30))
 def test_number_parser_is_total_on_number_soup(parts):
     text = "".join(parts)
-    for n in R.numbers(text):
-        assert n.kind in R._SUPPORTERS and math.isfinite(n.value)
+    for n in claims.numbers(text):
+        assert n.kind in claims._SUPPORTERS and math.isfinite(n.value)
     assert 0.0 <= R.rule_scores(text, text)["numbers"] <= 1.0
 
 
@@ -291,18 +293,18 @@ def test_sentences_without_content_score_zero_and_count():
     assert fa > 0.9
     assert R.lexical_factuality(DOC, "The. The. A. The) The.") == 0.0
     assert R.lexical_factuality(DOC, a + " The. The.") == pytest.approx(fa / 3)
-    assert R.entities("A. The) The.") == []
+    assert claims.entities("A. The) The.") == []
 
 
 def test_document_side_is_cached_by_content():
-    R._DOC_CACHE.clear()
+    claims._DOC_CACHE.clear()
     text = "Acme Corp. hired 12 people. " * 3
     info = R.document_info(text)
     assert R.document_info("".join(list(text))) is info  # an equal string, another object
     assert R.document_info(text + " ") is not info
-    for i in range(R._DOC_CACHE.maxsize + 5):  # bounded
+    for i in range(claims._DOC_CACHE.maxsize + 5):  # bounded
         R.document_info(f"Document number {i}.")
-    assert len(R._DOC_CACHE) == R._DOC_CACHE.maxsize
+    assert len(claims._DOC_CACHE) == claims._DOC_CACHE.maxsize
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +347,7 @@ def hand_fenice(document, claims, contrast):
     return sum(per_claim) / len(per_claim)
 
 
-@pytest.mark.parametrize("contrast", R.CONTRASTS)
+@pytest.mark.parametrize("contrast", fenice.CONTRASTS)
 def test_fenice_aggregation_matches_a_hand_computation(contrast):
     claims = {"S1": "Fact alpha is true. Fact beta is true.",  # entailed by sentences
               "S2": "Fact alpha and beta are true.",  # only a chunk holds both
@@ -414,10 +416,10 @@ def test_fenice_coreference_premises():
 
 
 def test_nli_labels_are_read_from_the_model_config():
-    assert R._label_columns({0: "CONTRADICTION", 1: "ENTAILMENT", 2: "NEUTRAL"}) == [1, 2, 0]
-    assert R._label_columns({"0": "entailment", "1": "neutral", "2": "contradiction"}) == [0, 1, 2]
+    assert fenice._label_columns({0: "CONTRADICTION", 1: "ENTAILMENT", 2: "NEUTRAL"}) == [1, 2, 0]
+    assert fenice._label_columns({"0": "entailment", "1": "neutral", "2": "contradiction"}) == [0, 1, 2]
     with pytest.raises(ValueError, match="entailment"):
-        R._label_columns({0: "entailment", 1: "not_entailment"})
+        fenice._label_columns({0: "entailment", 1: "not_entailment"})
 
 
 def test_contrast_is_validated():
@@ -427,7 +429,7 @@ def test_contrast_is_validated():
 
 @pytest.fixture(scope="module")
 def tiny_fenice(tmp_path_factory):
-    return R.build_tiny_fenice(str(tmp_path_factory.mktemp("fenice")), texts=[DOC])
+    return fenice.build_tiny_fenice(str(tmp_path_factory.mktemp("fenice")), texts=[DOC])
 
 
 def test_fenice_end_to_end_with_tiny_random_models(tiny_fenice):
@@ -459,7 +461,7 @@ def test_fenice_end_to_end_with_tiny_random_models(tiny_fenice):
 
 
 def test_fenice_with_a_bert_classifier_truncates_to_its_positions(tmp_path):
-    cfg = R.build_tiny_fenice(str(tmp_path), nli_arch="bert", id2label={0: "entailment", 1: "neutral",
+    cfg = fenice.build_tiny_fenice(str(tmp_path), nli_arch="bert", id2label={0: "entailment", 1: "neutral",
                                                                         2: "contradiction"})
     long_doc = " ".join([DOC] * 12)  # far past BERT's 128 positions in the whole-document premise
     out = R.Fenice(cfg).score_batch([(long_doc, "Acme reported revenue.")])
