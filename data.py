@@ -331,7 +331,7 @@ def load_hf(name: str, config: str | None = None, split: str = "train", mapping:
 
 
 # ===========================================================================
-# 8. The leak-cluster guard (SN15 appendix 10.4)
+# 8. The leak-cluster guard
 # ===========================================================================
 #
 # Near-duplicates (a retold event, a paraphrase, the same facts with clauses

@@ -5,13 +5,13 @@
 Each trace is dropped by the first gate it fails, and the reason is counted:
 1. annotation: the teacher's answer was junk (synth keeps such traces as
    "rejected", with the reason).
-2. judge: the reasoning judge's score is below `judge_min` (the SN15 paper: the
-   judge's coefficient decides which traces are eligible at all).
+2. judge: the reasoning judge's score is below `judge_min` (the judge decides
+   which traces are eligible at all).
 3. token budget: every results block is re-fitted to `result_tokens` policy
    tokens by replaying the trace with the policy tokenizer's length (sentences
    are shortened with an ellipsis, never dropped; the count is reported). No
    trace is dropped here.
-4. format, the SN15 paper's five hard rejects adapted to this protocol:
+4. format, five hard rejects:
    (1) every <search> is answered by its results (no tool error);
    (2) at most `max_deletes` deletes, and no cap was hit;
    (3) parseable tags and scopes: no malformed call, no stray or dangling
@@ -39,11 +39,11 @@ Each trace is dropped by the first gate it fails, and the reason is counted:
 Then: funnel.json and a printed table, and a spot check of `spot_check.n`
 traces per `spot_check.per_traces` (seeded) as a self-contained HTML viewer
 and a CSV to mark by hand. On the news world the oracle marks the sample (and
-the whole corpus) and the noise rate is reported (the plan's target: <= 5%).
+the whole corpus) and the noise rate is reported (the target: <= 5%).
 
-Where this departs from the plan: its relevance rule reads "top-1 BM25 < 0.3
-cosine"; BM25 scores are not cosines, so relevance is a TF-IDF cosine between
-the top result and the correction. Its FENICE gain is configurable: the CPU
+Relevance: a rule "top-1 BM25 < 0.3 cosine" cannot be applied as written (BM25
+scores are not cosines), so relevance is a TF-IDF cosine between the top result
+and the correction. Its FENICE gain is configurable: the CPU
 default is the lexical scorer (named as such in the funnel), the news world's
 is its oracle.
 """

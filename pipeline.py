@@ -25,7 +25,7 @@ world's oracle; the filtered corpus; error-masked SFT; Dr. GRPO; evaluation of
 base, SFT and RL on the whole eval pool; distillation.
 
 The headline table goes to stdout and to runs/pipeline/headline.md (with the
-plan's milestones and the news-world targets marked met / not met), its
+project's milestones and the news-world targets marked met / not met), its
 figures to runs/pipeline/headline.json.
 """
 from __future__ import annotations
@@ -239,7 +239,7 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
              seconds: dict[str, float] | None = None) -> tuple[str, dict]:
     """(markdown, figures) of the pipeline's outcome: base, SFT and Dr. GRPO (and
     with --full the baselines and ablations) on the held-out pool, the issue's
-    news-world targets and the plan's milestones, each marked met or not met."""
+    news-world targets and the project's milestones, each marked met or not met."""
     models = {m["model"]: m["metrics"] for j in (eval_json, full_json or {}) for m in j.get("models", [])}
     base, sft, rl = models.get(BASE, {}), models.get(SFT, {}), models.get(RL, {})
     backend = eval_json.get("factuality_backend", "?")
@@ -286,7 +286,7 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
          _ge(rl.get("search_found_fact"), 0.80)),
         ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
     ]
-    # Milestones (the plan): each with its measured value.
+    # Milestones (M0-M3, README): each with its measured value.
     rules_only = models.get("runs/rl_tiny_rules_only/final")
     base_label = "the rules-only RL baseline" if rules_only else "the SFT start (run --full for the rules-only baseline)"
     h0, h1 = (rules_only or sft).get("hallucination_rate"), rl.get("hallucination_rate")

@@ -8,8 +8,8 @@ and deletes while it samples, and learns from group-relative rewards.
 One step (DESIGN.md sections 4, 5, 7):
 1. `prompts_per_step` training documents (a seeded permutation per epoch, so the
    data cursor is the step number); G = `group_size` rollouts each through the
-   rollout engine. The hf engine samples under `model.eval()` (the SN15 bug
-   catalog: dropout left on during rollouts corrupts on-policy data); on the GPU,
+   rollout engine. The hf engine samples under `model.eval()` (dropout left
+   on during rollouts, a classic RL-trainer bug, corrupts on-policy data); on the GPU,
    Unsloth's colocated vLLM engine samples with the current LoRA per request.
 2. Rewards through `rewards.score_batch` (or a `reward_fn` given to `main`); the
    curriculum of the factuality threshold tau advances on the pass rate.
@@ -31,7 +31,7 @@ One step (DESIGN.md sections 4, 5, 7):
    atomic checkpoint (adapter or weights, optimizer, scheduler, RNG states,
    curriculum); `resume=auto` continues from the newest complete one.
 
-Where this departs from the papers:
+Where this departs from Dr. GRPO and PPO as published:
 - Old log-probs are the sampler's own when mu == 1 and the sampler is the
   trainer (hf backend): the ratio is then 1 up to float noise and the loss is the
   plain policy gradient. Otherwise they are the first inner epoch's log-probs,
@@ -49,7 +49,7 @@ Where this departs from the papers:
 - mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
   split); the schedule advances once per RL step.
 - Entropy is estimated as the mean negative log-prob of the sampled tokens.
-- A guard beyond the SN15 catalog: every step compares the trainer's log-probs
+- An on-policy guard: every step compares the trainer's log-probs
   of the sampled tokens with the sampler's and aborts, before updating, when
   they differ by more than `max_logprob_gap` nats on average (dropout, a
   template mismatch, or a scorer reading the wrong logits would all show here).
@@ -373,7 +373,8 @@ def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperatur
 
 def validate_masks(episodes: Sequence[sandbox.Episode], tokenizer) -> None:
     """Every trained position of every episode decodes to its turn's assistant
-    text (the SN15 catalog: assert it before every update); raises MaskError."""
+    text (a loss mask drifting off the assistant text trains silently on the
+    wrong tokens: assert it before every update); raises MaskError."""
     eos = rollout.stop_ids(tokenizer)
     for ep in episodes:
         sandbox.check_branches(ep, ep.branches(), tokenizer, eos)

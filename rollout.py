@@ -25,8 +25,8 @@ pruning; the backends only keep their model context equal to the builder's):
 they were sampled in: per branch (reference) or in one forward pass over a tree
 of branches (fast). SFT, RL and distillation all score through it.
 
-Rollouts always run under `model.eval()` and `torch.no_grad()` (the SN15 bug
-catalog: dropout left on during rollouts).
+Rollouts always run under `model.eval()` and `torch.no_grad()`: dropout left on
+during rollouts is a classic RL-trainer bug (the sampled data is then off-policy).
 """
 from __future__ import annotations
 

@@ -896,7 +896,7 @@ class MaskError(ValueError):
 
 
 def check_branches(ep: Episode, branches: list[Branch], tokenizer, eos_ids: Iterable[int] = ()) -> None:
-    """Mask validation (the SN15 bug catalog: loss masks drifting past assistant
+    """Mask validation (a classic silent bug: loss masks drifting past assistant
     boundaries). Every run of loss-mask-1 positions must be exactly one turn's
     generated ids and decode to that turn's text: a shift by one position pulls
     in a prompt, results or re-encoded id and changes the text. Raises

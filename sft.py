@@ -11,7 +11,7 @@ whole episode is scored in one pass over its tree of branches
 (`rollout.episode_logprobs`), which is also what RL and distillation use, so
 SFT learns exactly the conditionals that rollouts sample.
 
-Modes (the SN15 paper's recipe):
+Modes (SFT, then rejection-sampled re-SFT, teacher SFT or KTO):
 - `sft`: the trace corpus (`data.train`).
 - `rejection`: sample `rejection.k` rollouts per training document with the
   current policy, keep those that pass the reward, add them to the whole base

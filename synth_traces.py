@@ -1,4 +1,4 @@
-"""Synthetic tool-use traces: the plan's four-step pipeline (draft, fact-check, inject, continue).
+"""Synthetic tool-use traces in four steps: draft, fact-check, inject, continue.
 
     python synth_traces.py --config configs/synth_newsworld.yaml           # CPU: news world, oracle teacher
     python synth_traces.py --config configs/synth_api.yaml --shard 0/4     # one of four machines
@@ -26,8 +26,9 @@ For each document, `drafter.drafts_per_doc` traces:
    the rest of its draft, whose later errors are corrected the same way.
 Plus search-only positives: after `search_rate` (0.25; 1.0 in the news-world configs) of the correct
 sentences, a search whose top result is the sentence's support, and no delete,
-so the model also learns restraint. Optionally a judge (the SN15 paper's
-reasoning judge) scores each trace, citing spans; the filter gates on it.
+so the model also learns restraint (the plain recipe: about 25% of correct
+sentences). Optionally a reasoning judge scores each trace, citing spans; the
+filter gates on it.
 
 Output: `Episode` JSONL, one line per trace, appended per document and
 flushed; a restart skips the trace ids already written (a line cut by a kill is
@@ -36,7 +37,7 @@ truncated first). `--shard i/n` takes the documents whose id hashes to i mod n;
 annotator, labels and rejected labels with reasons, error types, the
 uncorrected draft, teacher tokens and cost, the trace kind, the judge's score.
 
-Where this departs from the plan:
+Choices beyond the plain four steps:
 - A correction replaces the whole sentence (`scope="sentence"`, DESIGN.md
   section 2), so the teacher is asked for the corrected *sentence* in
   `corrected_clause`.
@@ -139,8 +140,8 @@ class DrafterConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))  # draft k of a doc uses one each
     max_rounds: int = 3  # model: corrections (teacher calls) per trace; errors left after are recorded
-    # model: after each correction the drafter writes on from the edited context (the plan's
-    # step 3, one generation per round); false corrects every error of the first draft in one
+    # model: after each correction the drafter writes on from the edited context (step 4
+    # above, one generation per round); false corrects every error of the first draft in one
     # pass, as the news world drafter does (one generation per trace)
     continuation: bool = True
 
@@ -774,7 +775,7 @@ def make_annotator(cfg: TeacherConfig):
 
 
 # ---------------------------------------------------------------------------
-# The judge (SN15's reasoning judge): a score in [0, 1] with cited spans
+# The reasoning judge: a score in [0, 1] with cited spans
 # ---------------------------------------------------------------------------
 
 JUDGE_SYSTEM = ("You grade how well a summariser used its tools. You cite the trace as evidence. "

@@ -1,4 +1,4 @@
-"""Search latency of the sandbox, against the plan's subprocess-pool alternative.
+"""Search latency of the sandbox, against a subprocess-pool alternative.
 
     python bench/sandbox.py [--calls 2000]
 
@@ -7,7 +7,7 @@ Figures, on a 40-sentence news document (index built once):
 - index build time;
 - the time a catastrophic pattern takes before the time limit stops it
   (target <= 60 ms with the default 50 ms limit);
-- per-call overhead of the plan's alternative, a process pool with a 0.3 s
+- per-call overhead of the alternative, a process pool with a 0.3 s
   timeout ("ReTool style"), against calling the sandbox in process (target:
   ours >= 100x lower). Overhead is measured on a call that does no search work
   (an empty query, answered with an error block), through both paths; the full
