@@ -70,7 +70,8 @@ import modeling
 import data
 import rewards
 import sandbox
-from synth_traces import body, correction_steps, oracle_flags, read_traces, tfidf_cosine
+from synth_traces import read_traces, tfidf_cosine
+from teachers import body, correction_steps, oracle_flags
 
 
 @dataclass

@@ -15,6 +15,7 @@ import oracle
 import filter_traces as ft
 import sandbox
 import synth_traces as st
+import teachers
 from helpers import DOC
 
 WORLD = list(newsworld.documents(8, seed=5))
@@ -255,7 +256,7 @@ class _Sloppy:
                 sents = sandbox.split_sentences(summary)
                 labels = [dict(lab, corrected_clause=sents[lab["sentence_index"]].rstrip(".") + " as well.")
                           for lab in labels]
-            out.append(st.Annotation(labels=labels))
+            out.append(teachers.Annotation(labels=labels))
         return out
 
 

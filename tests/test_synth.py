@@ -15,6 +15,7 @@ import newsworld
 import oracle
 import sandbox
 import synth_traces as st
+import teachers
 
 DOCS = list(newsworld.documents(12, seed=3))
 
@@ -51,7 +52,7 @@ def test_injection_follows_design_and_results_are_the_sandboxes():
         fixed[lab["sentence_index"]] = lab["corrected_clause"]
     assert ep.summary == " ".join(fixed)
     assert [c["corrected"] for c in corrections] == [lab["corrected_clause"] for lab in labels]
-    steps, only = st.correction_steps(ep)
+    steps, only = teachers.correction_steps(ep)
     assert [s["corrected"] for s in steps] == [lab["corrected_clause"] for lab in labels] and only == []
 
 
@@ -129,7 +130,7 @@ SUMMARY = "Alpha is here. Beta went there."
     ('[{"error_span": "Beta", "corrected_clause": "Gamma went.", "regex_key": "zzzqqq"}]', "finds nothing"),
 ])
 def test_parse_annotation_rejects_junk_with_a_reason(answer, reason):
-    ann = st.parse_annotation(answer, DOCS[2].text, SUMMARY)
+    ann = teachers.parse_annotation(answer, DOCS[2].text, SUMMARY)
     got = ann.error or (ann.rejected[0]["reason"] if ann.rejected else None)
     assert (got is None) if reason is None else (got is not None and reason in got), got
     assert not ann.labels
@@ -139,7 +140,7 @@ def test_parse_annotation_accepts_a_valid_label():
     word = sandbox.words(DOC[0])[0]
     ans = json.dumps({"errors": [{"error_span": "Beta", "corrected_clause": "Gamma went there.",
                                   "regex_key": f"/{word}/", "type": "entity_swap"}]})
-    ann = st.parse_annotation(ans, DOCS[2].text, SUMMARY)
+    ann = teachers.parse_annotation(ans, DOCS[2].text, SUMMARY)
     assert ann.error is None and not ann.rejected
     assert ann.labels == [{"error_span": "Beta", "corrected_clause": "Gamma went there.", "regex_key": word,
                            "type": "entity_swap", "sentence_index": 1}]
@@ -154,7 +155,7 @@ def test_parse_annotation_accepts_a_valid_label():
     ("nice trace", False),
 ])
 def test_judge_answer_needs_cited_spans(answer, ok):
-    res = st.judge_answer(answer, "A.<search>x</search><results></results> B.")
+    res = teachers.judge_answer(answer, "A.<search>x</search><results></results> B.")
     assert (res["score"] is not None) == ok, res
     assert ok or res["error"]
 
@@ -163,10 +164,10 @@ def test_oracle_judge_flags_a_needless_delete():
     doc = DOCS[0]
     right = sandbox.split_sentences(doc.summary)
     good = sandbox.replay(doc.text, " ".join(right))
-    assert st.oracle_judge(doc, good)["score"] == 1.0
+    assert teachers.oracle_judge(doc, good)["score"] == 1.0
     bad = sandbox.replay(doc.text, f"{right[0]}<search>{sandbox.words(right[0])[0]}</search>"
                                    f"<delete scope=\"sentence\"/> {right[0]} " + " ".join(right[1:]))
-    verdict = st.oracle_judge(doc, bad)
+    verdict = teachers.oracle_judge(doc, bad)
     assert verdict["score"] < 1 and any(e["why"] == "retracted a right sentence" for e in verdict["evidence"])
     assert all(e["span"] in bad.text for e in verdict["evidence"])
 
@@ -232,7 +233,7 @@ def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
                 f"annotator.cache_dir={tmp_path / 'cache'}", "annotator.api_key_env=NO_SUCH_VARIABLE_SET",
                 "drafter.drafts_per_doc=1", "limit=3", "shard=0/1"]
         cfg = _cfg(tmp_path, *keys)
-        ann = st.make_annotator(cfg.annotator)
+        ann = teachers.make_annotator(cfg.annotator)
         summary = st.main(cfg, annotator=ann)
         assert len(server.log) == 5  # ok, junk, then 429 and 500 retried before an ok
         assert ann.teacher.client.usage["retries"] == 2
@@ -278,7 +279,7 @@ class _Dies:
     """An annotator that is killed on its second batch."""
 
     def __init__(self):
-        self.inner, self.calls, self.name, self.teacher = st.OracleAnnotator(), 0, "oracle", None
+        self.inner, self.calls, self.name, self.teacher = teachers.OracleAnnotator(), 0, "oracle", None
 
     def annotate_many(self, pairs):
         self.calls += 1
@@ -378,7 +379,7 @@ def test_prompted_tokenizer_swaps_the_prompt(tiny):
     doc = DOCS[0].text
     msgs = sandbox.prompt_messages(doc)
     msgs[-1] = dict(msgs[-1], content=msgs[-1]["content"] + "\n\nInclude every number.")
-    wrapped = st.PromptedTokenizer(tok, {doc: msgs})
+    wrapped = teachers.PromptedTokenizer(tok, {doc: msgs})
     assert "Include every number." in tok.decode(sandbox.prompt_ids(wrapped, doc))
     assert sandbox.prompt_ids(wrapped, DOCS[1].text) == sandbox.prompt_ids(tok, DOCS[1].text)
     assert wrapped.eos_token_id == tok.eos_token_id and len(wrapped) == len(tok)
@@ -402,7 +403,7 @@ class _FlagFirst:
                 labels = [{"error_span": sents[0][:3], "corrected_clause": first, "type": "entity_swap",
                            "regex_key": oracle.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
             self.seen.add(doc.id)
-            out.append(st.Annotation(labels=labels))
+            out.append(teachers.Annotation(labels=labels))
         return out
 
 
@@ -421,7 +422,7 @@ def test_model_drafter_continues_from_the_edited_context(tmp_path, tiny):
         assert e.meta["continuation_note"] is None
     for e in fixed:
         c = e.meta["corrections"][0]
-        wrote = st.written_text(e)
+        wrote = teachers.written_text(e)
         head = f'{c["sentence"]}<search>/({c["keys"][0]})/</search>{st.DELETE_TAG} {c["corrected"]}'
         assert wrote.startswith(head)
         search = e.turns[0]
@@ -431,9 +432,9 @@ def test_model_drafter_continues_from_the_edited_context(tmp_path, tiny):
 
 def test_model_teacher_junk_is_rejected_and_cached(tmp_path, tiny):
     model, tok = tiny
-    tcfg = settings.load_config(st.TeacherConfig, ["backend=model", f"cache_dir={tmp_path}",
+    tcfg = settings.load_config(teachers.TeacherConfig, ["backend=model", f"cache_dir={tmp_path}",
                                                  "generate.max_new_tokens=12"])
-    ann = st.TeacherAnnotator(st.ModelTeacher(tcfg, model, tok))
+    ann = teachers.TeacherAnnotator(teachers.ModelTeacher(tcfg, model, tok))
     first = ann.annotate_many([(DOCS[0], DOCS[0].summary), (DOCS[1], DOCS[1].summary)])
     assert all(a.error and "not JSON" in a.error and not a.labels for a in first)
     again = ann.annotate_many([(DOCS[0], DOCS[0].summary)])
@@ -451,14 +452,14 @@ class _FakeClient:
 
 
 def test_identical_requests_are_paid_once(tmp_path):
-    tcfg = settings.load_config(st.TeacherConfig, ["backend=api", "api_model=gpt-4o-mini", f"cache_dir={tmp_path}"])
+    tcfg = settings.load_config(teachers.TeacherConfig, ["backend=api", "api_model=gpt-4o-mini", f"cache_dir={tmp_path}"])
     client = _FakeClient()
-    ann = st.TeacherAnnotator(st.ApiTeacher(tcfg, client=client))
+    ann = teachers.TeacherAnnotator(teachers.ApiTeacher(tcfg, client=client))
     pair = (DOCS[0], DOCS[0].summary)
     got = ann.annotate_many([pair, pair, (DOCS[1], DOCS[1].summary), pair])
     assert client.calls == 2 and [a.requests for a in got] == [1, 0, 1, 0] and [a.cached for a in got] == [0, 1, 0, 1]
     assert ann.teacher.spent_usd == pytest.approx(2 * (10 * 0.15 + 2 * 0.6) / 1e6)
-    assert st.request_key("/chat/completions", {"a": 1, "b": [2]}) == st.request_key("/chat/completions",
+    assert teachers.request_key("/chat/completions", {"a": 1, "b": [2]}) == teachers.request_key("/chat/completions",
                                                                                     {"b": [2], "a": 1})
     ann.annotate_many([pair])
     assert client.calls == 2 and ann.teacher.stats["cached"] == 3

@@ -108,7 +108,7 @@ def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
 def test_the_oracle_server_answers_as_a_teacher_would():
     import oracle_server
     import rollout
-    import synth_traces
+    import teachers
 
     docs = list(newsworld.documents(3, seed=4))
     url, httpd = oracle_server.serve(docs)
@@ -122,7 +122,7 @@ def test_the_oracle_server_answers_as_a_teacher_would():
         rng = __import__("random").Random(0)
         draft, _ = oracle.draft(docs[1], rng, n_errors=2)
         out = client.post("/chat/completions", {"model": "oracle",
-                                                 "messages": synth_traces.annotation_messages(docs[1].text, draft)})
+                                                 "messages": teachers.annotation_messages(docs[1].text, draft)})
         got = json.loads(out["choices"][0]["message"]["content"])["errors"]
         want = oracle.oracle_errors(docs[1], draft)
         assert [e["error_span"] for e in got] == [e["error_span"] for e in want] and len(got) == 2
