@@ -417,20 +417,11 @@ def main(cfg: Config) -> dict:
 
     # -- optimiser, resume --------------------------------------------------------
     lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]
-    per_epoch = math.ceil(len(train) / cfg.batch_episodes)
+    micro_batch = sft.EpochBatches(train, lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     step, _ = common.resume(run.dir, cfg.resume, model, opt, sched)
-
-    epochs: dict[int, list[list[int]]] = {}
-
-    def micro_batch(i: int) -> list[sandbox.Episode]:  # the data cursor is the micro-batch index
-        e, j = divmod(i, per_epoch)
-        if e not in epochs:
-            epochs.clear()
-            epochs[e] = sft.epoch_batches(len(train), lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed, e)
-        return [train[k] for k in epochs[e][j]]
 
     # -- the loop ----------------------------------------------------------------
     model.train()
@@ -440,26 +431,19 @@ def main(cfg: Config) -> dict:
     while step < cfg.steps:
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(sft.n_generated(e) for b in batches for e in b)
-        loss_sum, ce_sum, kd_sum = 0.0, 0.0, 0.0
-        for b in batches:
+
+        def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
             loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
                                         cfg.max_batch_tokens)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents "
-                                         f"{[e.doc_id for e in b][:4]}); aborting before the update")
-            loss.backward()
-            loss_sum, ce_sum, kd_sum = loss_sum + loss.item(), ce_sum + ce, kd_sum + kd
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+            return loss, {"ce": ce, "kd": kd}
+
+        loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)
         step += 1
         tok_count += n_tok
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             dt = time.perf_counter() - t_last
-            last = {"loss": loss_sum, "ce": ce_sum, "kd": kd_sum, "lr": lr, "grad_norm": norm.item(),
+            last = {"loss": loss_sum, "ce": terms["ce"], "kd": terms["kd"], "lr": lr, "grad_norm": norm,
                     "tok_s": tok_count / dt}
             run.log(step, cfg.steps, last, dt)
             t_last, tok_count = time.perf_counter(), 0
@@ -470,7 +454,7 @@ def main(cfg: Config) -> dict:
     # -- final student, comparison -----------------------------------------------
     final = common.save_final(model, tok, run.dir / "final", merge=True)  # full weights
     print(f"student saved to {final}")
-    del teacher, model
+    teacher = model = None  # freed before the comparison loads both again
     report = {"teacher_path": cfg.teacher, "student_path": str(final), "target": cfg.target,
               "kd_weight": kd_weight, "kd": why, "teacher_episodes": funnel, "targets": len(train),
               "steps": step, "last": last}

@@ -46,7 +46,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from tqdm import tqdm
@@ -253,6 +253,47 @@ def epoch_batches(n_items: int, lengths: list[int], batch: int, window: int, see
         out += [chunk[j:j + batch] for j in range(0, len(chunk), batch)]
     rng.shuffle(out)
     return out
+
+
+class EpochBatches:
+    """Micro-batch i of a corpus, as `epoch_batches` orders epoch i // per_epoch.
+    The data cursor is the micro-batch index, so a resumed run sees the same data."""
+
+    def __init__(self, items: Sequence, lengths: list[int], batch: int, window: int, seed: int):
+        self.items, self.lengths, self.batch, self.window, self.seed = items, lengths, batch, window, seed
+        self.per_epoch = math.ceil(len(items) / batch)
+        self._epoch: tuple[int, list[list[int]]] | None = None
+
+    def __call__(self, i: int) -> list:
+        e, j = divmod(i, self.per_epoch)
+        if self._epoch is None or self._epoch[0] != e:
+            self._epoch = (e, epoch_batches(len(self.items), self.lengths, self.batch, self.window, self.seed, e))
+        return [self.items[k] for k in self._epoch[1][j]]
+
+
+def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, max_grad_norm: float,
+                   step: int) -> tuple[float, dict[str, float], float, float]:
+    """One optimizer step over micro-batches (gradient accumulation), as sft.py and
+    distill.py take it: `loss_fn(micro_batch) -> (loss, {name: float})`, each loss
+    already divided by the step's token count. A non-finite loss aborts before any
+    update. Returns (the step's loss, its extra terms summed, the gradient norm
+    before clipping, the learning rate it stepped with)."""
+    loss_sum, extra = 0.0, {}
+    for b in batches:
+        loss, more = loss_fn(b)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents "
+                                     f"{[e.doc_id for e in b][:4]}); aborting before the update")
+        loss.backward()
+        loss_sum += loss.item()
+        for k, v in more.items():
+            extra[k] = extra.get(k, 0.0) + v
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum, extra, norm.item(), lr
 
 
 def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbox.Episode], int]:
@@ -606,16 +647,17 @@ def main(cfg: Config) -> dict:
         print(f"kto: summary emission before training {emission0:.3f}; early stop below "
               f"{cfg.kto.min_emission_ratio * emission0:.3f}")
 
-    epochs: dict[int, list[list[int]]] = {}
+    corpus = EpochBatches(train, lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed)
 
     def micro_batch(i: int) -> list[sandbox.Episode]:
-        if stream is not None:
-            return stream.episodes(i, tok)
-        e, j = divmod(i, per_epoch)
-        if e not in epochs:
-            epochs.clear()
-            epochs[e] = epoch_batches(len(train), lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed, e)
-        return [train[k] for k in epochs[e][j]]
+        return stream.episodes(i, tok) if stream is not None else corpus(i)
+
+    def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
+        with autocast(cfg.autocast, model):
+            if cfg.mode == "kto":
+                return kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches)), {}
+            return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method,
+                                 cfg.rewrite_weight, tok), {}
 
     model.train()
     history: dict = {}
@@ -626,29 +668,13 @@ def main(cfg: Config) -> dict:
             history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=False)
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
-        loss_value = 0.0
-        for b in batches:
-            with autocast(cfg.autocast, model):
-                if cfg.mode == "kto":
-                    loss = kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches))
-                else:
-                    loss = sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method,
-                                         cfg.rewrite_weight, tok)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()} (episodes {[e.doc_id for e in b][:4]})")
-            loss.backward()
-            loss_value += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)
         step += 1
         tok_count += n_tok
         bar.update(1)
         dt = time.perf_counter() - t_last
         if step % 10 == 0 or step == total_steps:
-            run.log(step, total_steps, {"loss": loss_value, "lr": sched.get_last_lr()[0], "grad_norm": norm.item(),
-                                        "tok_s": tok_count / dt}, dt)
+            run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
             ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)

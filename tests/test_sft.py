@@ -156,6 +156,32 @@ def test_epoch_batches_cover_each_item_once_and_repeat_by_seed():
     assert a != sft.epoch_batches(50, lengths, 8, 2, seed=1, epoch=1)
 
 
+def test_epoch_batches_by_index_walk_the_epochs_in_order():
+    items, lengths = list("abcdefghij"), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    cursor = sft.EpochBatches(items, lengths, batch=4, window=1, seed=7)
+    assert cursor.per_epoch == 3
+    for e in (0, 1):
+        want = sft.epoch_batches(10, lengths, 4, 1, 7, e)
+        assert [cursor(e * 3 + j) for j in range(3)] == [[items[k] for k in b] for b in want]
+    assert cursor(1) == [items[k] for k in sft.epoch_batches(10, lengths, 4, 1, 7, 0)[1]]  # back to epoch 0
+
+
+def test_optimizer_step_accumulates_and_a_non_finite_loss_updates_nothing():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    batches = [[S.Episode(document="d", doc_id="a")], [S.Episode(document="d", doc_id="b")]]
+    loss, terms, norm, lr = sft.optimizer_step(batches, lambda b: ((w ** 2).sum() / 2, {"x": 1.0}), [w], opt,
+                                               sched, max_grad_norm=100.0, step=0)
+    assert loss == pytest.approx(5.0) and terms == {"x": 2.0} and lr == 0.5
+    assert norm == pytest.approx(2 * 5 ** 0.5)  # two micro-batches' gradients added: 2w
+    assert torch.allclose(w.detach(), torch.tensor([0.0, 0.0]))  # w - 0.5 * 2w
+    before = w.detach().clone()
+    with pytest.raises(FloatingPointError, match=r"step 4: loss is nan \(documents \['a'\]\)"):
+        sft.optimizer_step(batches, lambda b: (w.sum() * float("nan"), {}), [w], opt, sched, 1.0, step=3)
+    assert torch.equal(w.detach(), before)
+
+
 def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
     tok = modeling.load_tokenizer(tiny)
     eps = [e.tokenized(tok) for e in newsworld_traces(5, seed=2)]
