@@ -429,49 +429,6 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     return train, held or [], how
 
 
-def plan_config(cfg: Config, batch: int, share_prompt: bool) -> vram.PlanConfig:
-    """The memory planner's view of a run with `batch` groups in flight:
-    completions of max_new_tokens plus the results blocks injected into them."""
-    m = cfg.model
-    return vram.PlanConfig(
-        model=cfg.plan.model or m.name_or_path,
-        dtype="bfloat16" if m.dtype == "auto" else m.dtype,
-        quant=m.quant, lora_rank=m.lora.rank if m.lora.enabled else 0, lora_targets=list(m.lora.target_modules),
-        optimizer=cfg.optimizer, gradient_checkpointing=m.gradient_checkpointing, backend=m.backend,
-        batch=batch, group_size=cfg.group_size,
-        prompt_len=cfg.data.max_prompt_tokens or cfg.plan.prompt_len,
-        completion_len=cfg.sampling.max_new_tokens + cfg.plan.injected_tokens,
-        gpu_memory_utilization=m.gpu_memory_utilization if cfg.sampling.backend == "vllm" else 0.0,
-        share_prompt=share_prompt)
-
-
-def memory_plan(cfg: Config) -> vram.MemoryPlan:
-    """Rollout with every group of a step in flight, update one micro-batch of
-    `micro_groups` groups at a time; a stage beside vLLM fits a card C when
-    vLLM's needs fit u x C and the trainer's (1 - u) x C (common's rule)."""
-    # vLLM's prefix cache holds a group's prompt once; the hf engine expands it to G
-    # cache rows. Group scoring computes the prompt once per group; tree and branch per rollout.
-    roll = vram.plan_memory(plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
-    upd = vram.plan_memory(plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
-    plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
-                               vllm=roll.vllm, min_gpu_gb={}, fits={})
-    u = plan.config.gpu_memory_utilization
-    for name, parts in plan.stages.items():
-        trainer = sum(parts.values())
-        need = max(sum(plan.vllm.values()) / u, trainer / (1 - u)) if plan.vllm else trainer
-        plan.min_gpu_gb[name] = need
-        plan.fits[name] = {g: need <= g for g in vram.GPU_SIZES_GB}
-    return plan
-
-
-def format_plan(cfg: Config) -> str:
-    plan = memory_plan(cfg)
-    verdict = ", ".join(f"{g} GB {'yes' if all(f[g] for f in plan.fits.values()) else 'no'}"
-                        for g in vram.GPU_SIZES_GB)
-    return (f"{vram.format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
-            f"{cfg.micro_groups} group(s) per forward/backward)\nRL fits: {verdict}")
-
-
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
@@ -785,6 +742,6 @@ if __name__ == "__main__":
     with settings.config_errors_exit():
         _cfg, _flags = settings.parse_args(Config, flags=("--plan",))
     if "--plan" in _flags:
-        print(format_plan(_cfg))
+        print(vram.format_rl_plan(_cfg))
     else:
         main(_cfg)

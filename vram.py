@@ -310,6 +310,50 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def rl_plan_config(cfg, batch: int, share_prompt: bool) -> PlanConfig:
+    """The planner's view of an RL run (`rl.Config`) with `batch` groups in flight:
+    completions of max_new_tokens plus the results blocks injected into them."""
+    m = cfg.model
+    return PlanConfig(
+        model=cfg.plan.model or m.name_or_path,
+        dtype="bfloat16" if m.dtype == "auto" else m.dtype,
+        quant=m.quant, lora_rank=m.lora.rank if m.lora.enabled else 0, lora_targets=list(m.lora.target_modules),
+        optimizer=cfg.optimizer, gradient_checkpointing=m.gradient_checkpointing, backend=m.backend,
+        batch=batch, group_size=cfg.group_size,
+        prompt_len=cfg.data.max_prompt_tokens or cfg.plan.prompt_len,
+        completion_len=cfg.sampling.max_new_tokens + cfg.plan.injected_tokens,
+        gpu_memory_utilization=m.gpu_memory_utilization if cfg.sampling.backend == "vllm" else 0.0,
+        share_prompt=share_prompt)
+
+
+def rl_memory_plan(cfg) -> MemoryPlan:
+    """Rollout with every group of a step in flight, update one micro-batch of
+    `micro_groups` groups at a time; a stage beside vLLM fits a card C when
+    vLLM's needs fit u x C and the trainer's (1 - u) x C."""
+    # vLLM's prefix cache holds a group's prompt once; the hf engine expands it to G
+    # cache rows. Group scoring computes the prompt once per group; tree and branch per rollout.
+    roll = plan_memory(rl_plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
+    upd = plan_memory(rl_plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
+    plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
+                               vllm=roll.vllm, min_gpu_gb={}, fits={})
+    u = plan.config.gpu_memory_utilization
+    for name, parts in plan.stages.items():
+        trainer = sum(parts.values())
+        need = max(sum(plan.vllm.values()) / u, trainer / (1 - u)) if plan.vllm else trainer
+        plan.min_gpu_gb[name] = need
+        plan.fits[name] = {g: need <= g for g in GPU_SIZES_GB}
+    return plan
+
+
+def format_rl_plan(cfg) -> str:
+    """`rl.py --config X --plan`: the rollout and update stages of an RL config, and the cards it fits."""
+    plan = rl_memory_plan(cfg)
+    verdict = ", ".join(f"{g} GB {'yes' if all(f[g] for f in plan.fits.values()) else 'no'}"
+                        for g in GPU_SIZES_GB)
+    return (f"{format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
+            f"{cfg.micro_groups} group(s) per forward/backward)\nRL fits: {verdict}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """`[--config FILE.yaml] [key=value ...]`: the plan of one model, or of every one (model=all)."""
     with config_errors_exit():

@@ -585,9 +585,9 @@ def test_v17_v18_v19_step_by_step():
 
 
 def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything():
-    code = ("import sys, settings, rl; "
+    code = ("import sys, settings, rl, vram; "
             "cfg = settings.load_config(rl.Config, ['--config', 'configs/drgrpo_v19.yaml']); "
-            "print(rl.format_plan(cfg)); print('transformers loaded:', 'transformers' in sys.modules)")
+            "print(vram.format_rl_plan(cfg)); print('transformers loaded:', 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "RL fits: 24 GB yes" in out and "transformers loaded: False" in out
     for part in ("weights", "adapter", "activations", "logits", "kv_cache", "rollout", "update"):
