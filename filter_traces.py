@@ -70,7 +70,7 @@ import modeling
 import data
 import rewards
 import sandbox
-from synth_traces import read_traces, tfidf_cosine
+from traces import read_traces, tfidf_cosine
 from teachers import body, correction_steps, oracle_flags
 
 

@@ -52,9 +52,6 @@ Choices beyond the plain four steps:
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import math
 import os
 import random
 import re
@@ -76,6 +73,10 @@ import sandbox
 from teachers import (
     Annotation, GenerateConfig, Judge, PromptedTokenizer, TeacherConfig, load_generator, make_annotator,
     sampling_for, unique_rounds, written_text,
+)
+from traces import (
+    append_traces, done_ids, merge, parse_shard, shard_of, shard_path, stable_hash, tfidf_cosine,
+    tfidf_for,
 )
 
 SYNTH_VERSION = 1  # version of the trace record's meta (bump when its fields change)
@@ -144,35 +145,6 @@ class Config:
 # ---------------------------------------------------------------------------
 # Similarity and queries (the filter's relevance gate uses the same TF-IDF)
 # ---------------------------------------------------------------------------
-
-
-class Tfidf:
-    """TF-IDF vectors over `sandbox.words`, with IDF from one document's sentences."""
-
-    def __init__(self, sentences: Sequence[str]):
-        n = len(sentences)
-        df = Counter(w for s in sentences for w in set(sandbox.words(s)))
-        self.idf = {w: math.log((1 + n) / (1 + c)) + 1.0 for w, c in df.items()}
-        self.unseen = math.log(1 + n) + 1.0  # a word the document never uses weighs most
-
-    def vector(self, text: str) -> dict[str, float]:
-        return {w: c * self.idf.get(w, self.unseen) for w, c in Counter(sandbox.words(text)).items()}
-
-    def cosine(self, a: str, b: str) -> float:
-        va, vb = self.vector(a), self.vector(b)
-        dot = sum(x * vb.get(w, 0.0) for w, x in va.items())
-        na, nb = math.sqrt(sum(x * x for x in va.values())), math.sqrt(sum(x * x for x in vb.values()))
-        return dot / (na * nb) if na and nb else 0.0
-
-
-@functools.lru_cache(maxsize=256)
-def tfidf_for(document: str) -> Tfidf:
-    return Tfidf(sandbox.index_for(document).sentences)
-
-
-def tfidf_cosine(document: str, a: str, b: str) -> float:
-    """Cosine of `a` and `b` as TF-IDF vectors, IDF from `document`'s sentences."""
-    return tfidf_for(document).cosine(a, b)
 
 
 def support_of(document: str, sentence: str) -> int | None:
@@ -329,8 +301,6 @@ class Item:
         return random.Random(f"{self.seed}/{self.doc.id}/{self.k}/{what}")  # str seeds hash with sha512: stable
 
 
-def stable_hash(s: str) -> int:
-    return int(hashlib.sha256(s.encode("utf-8")).hexdigest()[:12], 16)
 
 
 @dataclass
@@ -589,116 +559,6 @@ def _synth_iterative(items, drafter, annotator, cfg):
         extra = {"open_errors": s.open_errors, "continuation_note": s.note}
         traces.append(_finish(it, text, d, s.labels, s.ann, s.corrections, drafter, annotator, cfg, extra))
     return traces, failed
-
-
-# ---------------------------------------------------------------------------
-# Files: resumable output, shards, merge
-# ---------------------------------------------------------------------------
-
-
-def parse_shard(spec: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
-    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise settings.ConfigError(f"shard must be i/n with 0 <= i < n, got {spec!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def shard_of(doc_id: str, n: int) -> int:
-    return stable_hash(doc_id) % n
-
-
-def shard_path(path: str, i: int, n: int) -> str:
-    if n == 1:
-        return path
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.shard{i}of{n}{ext or '.jsonl'}"
-
-
-def repair_tail(path: str) -> int:
-    """Cut a last line left incomplete by a kill mid-write; returns the bytes removed."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        if size == 0:
-            return 0
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        f.seek(0)
-        blob = f.read()
-    cut = blob.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-    print(f"{path}: the last line was incomplete (interrupted write): removed {size - cut} bytes; "
-          f"its trace will be made again", file=sys.stderr)
-    return size - cut
-
-
-def iter_trace_lines(path: str) -> Iterable[tuple[int, dict]]:
-    """(line number, record) for each complete line; a malformed complete line is an error."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if not line.endswith("\n"):
-                print(f"{path}:{n}: incomplete last line skipped (run synth_traces.py again to redo it)",
-                      file=sys.stderr)
-                return
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise data.DataError(f"{path}:{n}: malformed trace line: {e}") from None
-            yield n, rec
-
-
-def read_traces(path: str) -> list[sandbox.Episode]:
-    out = []
-    for n, rec in iter_trace_lines(path):
-        try:
-            out.append(sandbox.Episode.from_dict(rec))
-        except (KeyError, TypeError, ValueError) as e:
-            raise data.DataError(f"{path}:{n}: not an episode ({type(e).__name__}: {e})") from None
-    return out
-
-
-def done_ids(path: str) -> set[str]:
-    if not os.path.exists(path):
-        return set()
-    repair_tail(path)
-    return {rec.get("meta", {}).get("id") for _, rec in iter_trace_lines(path)} - {None}
-
-
-def append_traces(path: str, episodes: Sequence[sandbox.Episode]) -> None:
-    """One write per document, flushed: a kill leaves whole lines plus at most one cut line."""
-    if not episodes:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(ep.to_json() + "\n" for ep in episodes))
-        f.flush()
-
-
-def merge(out: str, inputs: Sequence[str]) -> dict:
-    """Join shard files: identical duplicates (same id) are kept once, conflicting ones are an error."""
-    seen: dict[str, tuple[str, str]] = {}
-    lines = []
-    dups = 0
-    for path in inputs:
-        for n, rec in iter_trace_lines(path):
-            tid = rec.get("meta", {}).get("id")
-            if tid is None:
-                raise data.DataError(f"{path}:{n}: trace without meta.id")
-            canon = json.dumps(rec, sort_keys=True, ensure_ascii=False)
-            if tid in seen:
-                if seen[tid][0] != canon:
-                    raise data.DataError(f"{path}:{n}: trace {tid!r} conflicts with the one in {seen[tid][1]}")
-                dups += 1
-                continue
-            seen[tid] = (canon, f"{path}:{n}")
-            lines.append(json.dumps(rec, ensure_ascii=False))
-    common.atomic_write_text(out, "".join(x + "\n" for x in lines))
-    return {"traces": len(lines), "duplicates": dups, "inputs": len(inputs)}
 
 
 def load_docs(cfg: Config) -> list[data.Document]:

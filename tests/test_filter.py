@@ -15,6 +15,7 @@ import oracle
 import filter_traces as ft
 import sandbox
 import synth_traces as st
+import traces
 import teachers
 from helpers import DOC
 
@@ -81,13 +82,13 @@ def test_relevance_tfidf_cosine_between_top_result_and_correction():
     good, lab = _corrective(doc)
     assert ft.relevance(good) >= 0.3
     sents = sandbox.split_sentences(doc.text)
-    worst = min(range(len(sents)), key=lambda i: st.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
+    worst = min(range(len(sents)), key=lambda i: traces.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
     key = oracle.rx_escape(" ".join(sents[worst].split()[:5]))
     assert sandbox.DocIndex(doc.text).search(f"/({key})/").hits[0] == worst
     bad, _ = _corrective(doc, key=key)
     assert ft.relevance(bad) < 0.3
     # function words do not make a result relevant, rare words (names, numbers) do
-    assert st.tfidf_cosine(doc.text, "the a of in to", "the a of in to and") < st.tfidf_cosine(
+    assert traces.tfidf_cosine(doc.text, "the a of in to", "the a of in to and") < traces.tfidf_cosine(
         doc.text, sents[0], sents[0])
     only = trace(f"{sents[0]}<search>/{oracle.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
     assert ft.relevance(only) is None  # nothing corrected, nothing to score
@@ -223,8 +224,8 @@ def test_end_to_end_on_200_news_world_documents(tmp_path):
 
     manifest = json.loads((tmp_path / "split.json").read_text())
     pools = ft.pool_of(manifest)
-    train = st.read_traces(str(tmp_path / "corpus" / "train.jsonl"))
-    held = st.read_traces(str(tmp_path / "corpus" / "eval.jsonl"))
+    train = traces.read_traces(str(tmp_path / "corpus" / "train.jsonl"))
+    held = traces.read_traces(str(tmp_path / "corpus" / "eval.jsonl"))
     assert len(train) == report["train"] > 0 and len(held) == report["eval"] > 0
     assert {pools[e.doc_id] for e in train} == {"train"} and {pools[e.doc_id] for e in held} == {"eval"}
     clusters = {e["id"]: e["cluster"] for p in data.POOLS for e in manifest["pools"][p]}
@@ -249,7 +250,7 @@ class _Sloppy:
         out = []
         for doc, summary in pairs:
             labels = oracle.oracle_errors(doc, summary)
-            h = st.stable_hash(doc.id + summary) % 3
+            h = traces.stable_hash(doc.id + summary) % 3
             if h == 0:
                 labels = []
             elif h == 1:

@@ -15,6 +15,7 @@ import newsworld
 import oracle
 import sandbox
 import synth_traces as st
+import traces
 import teachers
 
 DOCS = list(newsworld.documents(12, seed=3))
@@ -238,7 +239,7 @@ def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
         assert len(server.log) == 5  # ok, junk, then 429 and 500 retried before an ok
         assert ann.teacher.client.usage["retries"] == 2
         assert summary["traces"] == 3 and summary["kinds"].get("rejected") == 1 and summary["failed"] == 0
-        eps = st.read_traces(cfg.out_path)
+        eps = traces.read_traces(cfg.out_path)
         junk = [e for e in eps if e.meta["trace_kind"] == "rejected"]
         assert junk[0].meta["annotation_error"].startswith("answer is not JSON")
         assert junk[0].summary == " ".join(junk[0].meta["draft"].split()) and junk[0].n_search == 0
@@ -257,7 +258,7 @@ def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
         assert len(server.log) == 5, "a second run must not repeat a paid request"
         assert again["teacher_requests"] == 0 and again["teacher_cached"] == 3 and again["cost_usd"] == 0
         assert again["cost_cached_usd"] == pytest.approx(3 * cost, abs=1e-4)
-        assert [e.summary for e in st.read_traces(str(tmp_path / "again.jsonl"))] == [e.summary for e in eps]
+        assert [e.summary for e in traces.read_traces(str(tmp_path / "again.jsonl"))] == [e.summary for e in eps]
     finally:
         server.close()
 
@@ -325,7 +326,7 @@ def test_limit_then_all_and_shards_merge_to_the_same_traces(tmp_path):
     for i in range(3):
         c = _cfg(tmp_path, f"out_path={tmp_path / 'sh.jsonl'}", *st.flags_to_keys([f"--shard={i}/3"]))
         st.main(c)
-        parts.append(st.shard_path(c.out_path, i, 3))
+        parts.append(traces.shard_path(c.out_path, i, 3))
         assert parts[-1].endswith(f"sh.shard{i}of3.jsonl")
     merged = str(tmp_path / "merged.jsonl")
     assert st.cli(["merge", merged, *parts, parts[0]]) == 0  # a file twice: identical duplicates collapse
@@ -336,22 +337,22 @@ def test_limit_then_all_and_shards_merge_to_the_same_traces(tmp_path):
     rec["summary"] = "something else"
     bad.write_text(json.dumps(rec) + "\n", encoding="utf-8")
     with pytest.raises(data.DataError, match="conflicts"):
-        st.merge(str(tmp_path / "m2.jsonl"), [merged, str(bad)])
+        traces.merge(str(tmp_path / "m2.jsonl"), [merged, str(bad)])
 
 
 def test_shard_parsing_and_flags():
-    assert st.parse_shard("1/4") == (1, 4)
+    assert traces.parse_shard("1/4") == (1, 4)
     for bad in ("4/4", "1", "a/b", "-1/2"):
         with pytest.raises(settings.ConfigError):
-            st.parse_shard(bad)
+            traces.parse_shard(bad)
     assert st.flags_to_keys(["--shard", "0/2", "--limit=7", "seed=1"]) == ["shard=0/2", "limit=7", "seed=1"]
-    assert sorted({st.shard_of(d.id, 3) for d in DOCS}) == [0, 1, 2]
+    assert sorted({traces.shard_of(d.id, 3) for d in DOCS}) == [0, 1, 2]
 
 
 def test_newsworld_run_records_provenance(tmp_path):
     cfg = _cfg(tmp_path, "judge.backend=oracle", "limit=6")
     summary = st.main(cfg)
-    eps = st.read_traces(cfg.out_path)
+    eps = traces.read_traces(cfg.out_path)
     assert summary["traces"] == len(eps) == 18
     kinds = {e.meta["trace_kind"] for e in eps}
     assert "corrective" in kinds
@@ -413,7 +414,7 @@ def test_model_drafter_continues_from_the_edited_context(tmp_path, tiny):
                "drafter.generate.max_new_tokens=24", "drafter.max_rounds=2", "search_rate=0")
     drafter = st.ModelDrafter(cfg.drafter, cfg.seed, model, tok)
     summary = st.main(cfg, drafter=drafter, annotator=_FlagFirst())
-    eps = st.read_traces(cfg.out_path)
+    eps = traces.read_traces(cfg.out_path)
     assert summary["traces"] == len(eps) == 2
     fixed = [e for e in eps if e.meta["corrections"]]
     assert fixed, "the stub teacher flags every first draft"
