@@ -5,56 +5,27 @@ and deletes while it samples, and learns from group-relative rewards.
     python rl.py --config configs/drgrpo_v19.yaml          # one GPU: 4B in 4-bit + LoRA, Unsloth + vLLM
     python rl.py --config configs/drgrpo_v19.yaml --plan   # its VRAM plan per stage; loads nothing
 
-One step (DESIGN.md sections 4, 5, 7):
-1. `prompts_per_step` training documents (a seeded permutation per epoch, so the
-   data cursor is the step number); G = `group_size` rollouts each through the
-   rollout engine. The hf engine samples under `model.eval()` (dropout left
-   on during rollouts, a classic RL-trainer bug, corrupts on-policy data); on the GPU,
-   Unsloth's colocated vLLM engine samples with the current LoRA per request.
-2. Rewards through `rewards.score_batch` (or a `reward_fn` given to `main`); the
-   curriculum of the factuality threshold tau advances on the pass rate.
-3. Advantages A = R - mean(R of the group): Dr. GRPO (Liu et al. 2025), no
-   division by the group's standard deviation. With `advantage=turn` a turn that
-   made a tool call also gets its per-step ToolMatch credit, centred on the
-   group's mean step credit, on the tokens of its call tag only, and ToolMatch
-   leaves the outcome reward (see `turn_advantages`).
-4. Mask validation of every episode (trained positions decode to the turns'
-   assistant text), then the update: PPO-clip on every generated token of every
-   branch, each token once, in the context it was sampled in (each group
-   scored as one tree rooted at its shared prompt, `group_logprobs`; or
-   `rollout.episode_logprobs` per episode), summed and divided by the constant
-   n_rollouts x max_new_tokens (Dr. GRPO: no per-sequence length normalisation),
-   plus beta x k3 KL to the reference policy, `mu` inner epochs against the
-   old log-probs, truncated importance sampling when the sampler is not the
-   trainer (vLLM), gradient clipping, a cosine schedule.
-5. One log line, metrics JSONL, sample episodes, held-out evaluation, and an
-   atomic checkpoint (adapter or weights, optimizer, scheduler, RNG states,
-   curriculum); `resume=auto` continues from the newest complete one.
+One step (DESIGN.md sections 4, 5, 7): G = `group_size` rollouts for each of
+`prompts_per_step` documents; rewards (`rewards.score_batch`, the curriculum of
+tau advancing on the pass rate); advantages A = R - mean(R of the group), no
+std division (Dr. GRPO, Liu et al. 2025); mask validation; PPO-clip on every
+generated token of every branch, in the context it was sampled in, summed and
+divided by the constant n_rollouts x max_new_tokens; a log line, held-out
+evaluation and an atomic checkpoint (`resume=auto`).
 
 Where this departs from Dr. GRPO and PPO as published:
-- Old log-probs are the sampler's own when mu == 1 and the sampler is the
-  trainer (hf backend): the ratio is then 1 up to float noise and the loss is the
-  plain policy gradient. Otherwise they are the first inner epoch's log-probs,
-  detached: the same function under the same weights before any update, so no
-  separate scoring pass is spent on them. For vLLM each token's loss is also
-  weighted by min(p_trainer / p_vllm, tis_cap) (truncated importance sampling,
-  Yao et al. 2025).
-- The clip range may be asymmetric (`clip_low`, `clip_high`: DAPO's clip-higher);
-  the defaults are PPO's symmetric 0.2.
-- KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 in the loss (GRPO),
-  not a reward penalty. The reference is the starting policy: the same model
-  with the LoRA adapter disabled (a fresh adapter on full init weights), a
-  frozen copy for a full fine-tune, or, when `init` is itself an adapter that
-  training continues, a second frozen copy of that adapter (not the base model).
-- mu inner epochs are mu optimizer steps over the whole batch (no mini-batch
-  split); the schedule advances once per RL step.
-- Entropy is estimated as the mean negative log-prob of the sampled tokens.
-- An on-policy guard: every step compares the trainer's log-probs
-  of the sampled tokens with the sampler's and aborts, before updating, when
-  they differ by more than `max_logprob_gap` nats on average (dropout, a
-  template mismatch, or a scorer reading the wrong logits would all show here).
-- Groups whose every token has advantage 0 add nothing to the loss when
-  beta == 0 and are not scored at all.
+- Old log-probs are the sampler's own when mu == 1 and the sampler is the trainer
+  (the ratio is then 1 and the loss the plain policy gradient); otherwise the
+  first inner epoch's, detached. vLLM samples get truncated importance sampling,
+  min(p_trainer / p_vllm, tis_cap) (Yao et al. 2025).
+- The clip range may be asymmetric (`clip_low`, `clip_high`: DAPO's clip-higher).
+- KL is the k3 estimator in the loss (GRPO), not a reward penalty; the reference
+  is the starting policy (the adapter disabled, a frozen copy, or a frozen copy
+  of an `init` adapter).
+- mu inner epochs are mu optimizer steps over the whole batch.
+- An on-policy guard: a step whose trainer and sampler log-probs differ by more
+  than `max_logprob_gap` nats per token aborts before updating.
+- Groups whose every token has advantage 0 are not scored when beta == 0.
 """
 from __future__ import annotations
 
@@ -701,6 +672,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             "rules": common.mean(r.get("rules") for r in results), "budget": common.mean(r.get("budget") for r in results),
             "cap": common.mean(r.get("cap_penalty") for r in results), "match": common.mean(r.get("tool_match") for r in results),
             "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
+            # entropy: estimated as the mean negative log-prob of the sampled tokens
             "entropy": -sampler_all[~torch.isnan(sampler_all)].mean().item() if n_tokens else math.nan,
             "len": n_tokens / len(eps), "search": ts["searches_per_episode"], "delete": ts["deletes_per_episode"],
             "valid": ts["valid_episode_rate"], "gap": gap, "grad_norm": norm.item(), "lr": lr,

@@ -10,11 +10,9 @@ For each document, `drafter.drafts_per_doc` traces:
    one of `drafter.prompts`, adversarial instructions that raise error
    diversity. The trace itself keeps the standard prompt: the instruction only
    shapes the draft.
-2. Fact-check it with a teacher that answers
-   `{"errors": [{"error_span", "corrected_clause", "regex_key"}]}`: any
-   OpenAI-compatible API (validated item by item, cached on disk by request
-   hash so no call is ever paid twice, costed from a price table), a local
-   model through the rollout engine, or the news world's oracle.
+2. Fact-check it with a teacher (`teachers.py`: an OpenAI-compatible API, a
+   local model, or the news world's oracle) that answers
+   `{"errors": [{"error_span", "corrected_clause", "regex_key"}]}`.
 3. Inject, after each wrong sentence, `<search>/(regex_key)/</search>
    <delete scope="sentence"/>` and the corrected sentence. The text is run
    through `sandbox.replay`, so every results block is the sandbox's, live
@@ -30,12 +28,9 @@ so the model also learns restraint (the plain recipe: about 25% of correct
 sentences). Optionally a reasoning judge scores each trace, citing spans; the
 filter gates on it.
 
-Output: `Episode` JSONL, one line per trace, appended per document and
-flushed; a restart skips the trace ids already written (a line cut by a kill is
-truncated first). `--shard i/n` takes the documents whose id hashes to i mod n;
-`merge` joins shard files. `ep.meta` holds the provenance: drafter, prompt,
-annotator, labels and rejected labels with reasons, error types, the
-uncorrected draft, teacher tokens and cost, the trace kind, the judge's score.
+Output: `Episode` JSONL (`traces.py`: resumable, sharded, merged), one line
+per trace, with its provenance in `ep.meta` (drafter, prompt, annotator, labels,
+the uncorrected draft, teacher cost, trace kind, the judge's score).
 
 Choices beyond the plain four steps:
 - A correction replaces the whole sentence (`scope="sentence"`, DESIGN.md
