@@ -633,8 +633,5 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    try:
+    with settings.config_errors_exit(data.DataError, data.LeakError):  # bad input: one line, not a traceback
         main(settings.load_config(Config))
-    except (settings.ConfigError, data.DataError, data.LeakError) as e:  # bad input: one line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)

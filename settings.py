@@ -331,16 +331,17 @@ def parse_args(cls: type, argv: list[str] | None = None,
 
 
 @contextmanager
-def config_errors_exit():
-    """For a script's `__main__`: a ConfigError inside the block exits with one
-    line, `error: ...`, instead of a traceback.
+def config_errors_exit(*also: type[Exception]):
+    """For a script's `__main__`: a ConfigError (or one of the bad-input errors
+    `also` names, e.g. data.DataError) inside the block exits with one line,
+    `error: ...`, instead of a traceback.
 
         with settings.config_errors_exit():
             cfg = settings.load_config(Config)
     """
     try:
         yield
-    except ConfigError as e:
+    except (ConfigError, *also) as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -372,6 +372,20 @@ def test_format_step_values(value, text):
     assert format_step(1, None, {"x": value}, 0.0) == f"step 1 | x {text} | 0.0s"
 
 
+def test_config_errors_exit_turns_bad_input_into_one_line():
+    from settings import config_errors_exit
+
+    with pytest.raises(SystemExit, match=r"^error: key 'x'"):
+        with config_errors_exit():
+            raise ConfigError("key 'x' is unknown")
+    with pytest.raises(SystemExit, match=r"^error: docs.jsonl:3: bad line"):
+        with config_errors_exit(KeyError, ValueError):
+            raise ValueError("docs.jsonl:3: bad line")
+    with pytest.raises(RuntimeError):  # anything else is a bug: its traceback stays
+        with config_errors_exit(ValueError):
+            raise RuntimeError("boom")
+
+
 def test_one_jsonable_for_metrics_and_reports():
     value = {"a": math.nan, 1: [np.float32(0.5), -math.inf], "x": np.arange(2)}
     assert jsonable(value) == {"a": "nan", "1": [0.5, "-inf"], "x": [0, 1]}
