@@ -26,11 +26,11 @@ import numpy as np
 
 import sandbox
 from data import STOP_WORDS, DataError, Document, seeded_rng
-from newsworld import (
-    C, CONFLICT, CONTEXT, FAMILIES, MONTHS, PREDICATES, Qty, Slot, Unit, When, _ENTITY_ATTRS, _F, _MONTH_DAYS,
-    _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS, _choose_verbs, count, doc_facts, money, parse_money, percent,
-    render, score, when, world_lexicon,
+from newsvocab import (
+    C, CONFLICT, MONTHS, PREDICATES, Qty, Unit, When, _F, _MONTH_DAYS, _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS,
+    count, money, parse_money, percent, score, when, world_lexicon,
 )
+from newsworld import CONTEXT, FAMILIES, Slot, _ENTITY_ATTRS, _choose_verbs, doc_facts, render
 
 # ===========================================================================
 # 5. Reading claims out of text: numbers, dates, entities; regex keys

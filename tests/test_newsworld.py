@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import data
+import newsvocab
 import newsworld
 import oracle
 import sandbox
@@ -291,6 +292,6 @@ def test_oracle_is_total_on_any_text(text):
 @given(st.integers(min_value=1, max_value=999_000_000_000))
 def test_money_is_written_and_read_back_consistently(amount):
     q = newsworld.money(amount)
-    assert newsworld.parse_money(q.text) == q.amount
+    assert newsvocab.parse_money(q.text) == q.amount
     [m] = [m for m in oracle.parse_quantities(f"It cost {q.text} in all.") if m.kind == "qty"]
     assert oracle.qty_match(m.qty, q)
