@@ -12,29 +12,7 @@ A model is a trained directory (`modeling.load_trained`): full weights (SFT's
 `never_touch` pool is evaluated only when `pool=never_touch` is asked for.
 With `--compare A B ...` every directory sees the same documents and seeds.
 
-Per model (greedy decoding, temperature 0, unless stated):
-- ROUGE-1/2/L F1 against the reference summary (rouge-score, Porter stemmer).
-- Factuality F from `reward.factuality` (oracle | lexical | fenice, named as
-  `rewards.BACKEND_NAMES` does), each rule's pass rate, pass (F >= tau and every
-  rule; tau is the curriculum's first, so runs compare), mean total reward.
-- Hallucination: a summary hallucinates when it makes at least one unsupported
-  claim. On the news world (documents with a fact table) the oracle decides,
-  whatever the reward backend: one error = one `oracle.oracle_errors` label (a
-  wrong entity, number, date, polarity or predicate, or a sentence no fact
-  supports). Elsewhere a claim is unsupported when the backend scores it below
-  `claim_tau` (lexical: summary sentences; FENICE: extracted claims), so the
-  rate depends on the backend and the report says which one counted.
-- Tool use: valid call rate (syntax), valid episode rate, searches and deletes
-  per summary, and (news world) the share of deletes whose retracted text held
-  an oracle error: the precision of the delete decision.
-- pass@k, k in 1, 2, 4, 8: the unbiased estimator 1 - C(n-c, k) / C(n, k) of
-  Chen et al. (2021) from `n_samples` rollouts per document at `temperature`,
-  averaged over documents. k > n is not estimable and reported as n/a.
-- Latency per summary (p50, p95, ms): wall clock of one document's whole
-  episode (tools included) at batch 1, over `latency_docs` documents, after one
-  untimed warm-up; tokens/s over the same episodes.
-Metrics that cannot be computed (no calls, no oracle, no references) are NaN:
-null in eval.json, "n/a" in the report.
+Every metric is defined in `evaluate`'s docstring.
 
 Ablation `tools=no_search | no_delete | none` bans the tags at decode time
 (`TagBan`, a `rollout.rollout` logits processor): the model is unchanged, it just
@@ -408,7 +386,32 @@ def log_eval(run, step: int, figures: dict) -> None:
 def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None) -> dict:
     """Every metric of one model on `documents`, as a flat dict of floats (NaN
     where not computable). `keep`, if given, receives (document, greedy episode,
-    score, oracle errors or None) per document, for samples and inspection."""
+    score, oracle errors or None) per document, for samples and inspection.
+
+    Per model (greedy decoding, temperature 0, unless stated):
+    - ROUGE-1/2/L F1 against the reference summary (rouge-score, Porter stemmer).
+    - Factuality F from `reward.factuality` (oracle | lexical | fenice, named as
+      `rewards.BACKEND_NAMES` does), each rule's pass rate, pass (F >= tau and every
+      rule; tau is the curriculum's first, so runs compare), mean total reward.
+    - Hallucination: a summary hallucinates when it makes at least one unsupported
+      claim. On the news world (documents with a fact table) the oracle decides,
+      whatever the reward backend: one error = one `oracle.oracle_errors` label (a
+      wrong entity, number, date, polarity or predicate, or a sentence no fact
+      supports). Elsewhere a claim is unsupported when the backend scores it below
+      `claim_tau` (lexical: summary sentences; FENICE: extracted claims), so the
+      rate depends on the backend and the report says which one counted.
+    - Tool use: valid call rate (syntax), valid episode rate, searches and deletes
+      per summary, and (news world) the share of deletes whose retracted text held
+      an oracle error: the precision of the delete decision.
+    - pass@k, k in 1, 2, 4, 8: the unbiased estimator 1 - C(n-c, k) / C(n, k) of
+      Chen et al. (2021) from `n_samples` rollouts per document at `temperature`,
+      averaged over documents. k > n is not estimable and reported as n/a.
+    - Latency per summary (p50, p95, ms): wall clock of one document's whole
+      episode (tools included) at batch 1, over `latency_docs` documents, after one
+      untimed warm-up; tokens/s over the same episodes.
+    Metrics that cannot be computed (no calls, no oracle, no references) are NaN:
+    null in eval.json, "n/a" in the report.
+    """
     docs = list(documents)
     out, eps, scores, errors = greedy_eval(model, tokenizer, docs, cfg)
     limits = sandbox.Limits.make(**cfg.limits)

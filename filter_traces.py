@@ -2,49 +2,16 @@
 
     python filter_traces.py --config configs/filter_newsworld.yaml
 
-Each trace is dropped by the first gate it fails, and the reason is counted:
-1. annotation: the teacher's answer was junk (synth keeps such traces as
-   "rejected", with the reason).
-2. judge: the reasoning judge's score is below `judge_min` (the judge decides
-   which traces are eligible at all).
-3. token budget: every results block is re-fitted to `result_tokens` policy
-   tokens by replaying the trace with the policy tokenizer's length (sentences
-   are shortened with an ellipsis, never dropped; the count is reported). No
-   trace is dropped here.
-4. format, five hard rejects:
-   (1) every <search> is answered by its results (no tool error);
-   (2) at most `max_deletes` deletes, and no cap was hit;
-   (3) parseable tags and scopes: no malformed call, no stray or dangling
-       markup, every delete retracted something;
-   (4) the trace fits the trainer's budget: prompt + every turn + every result
-       under the policy tokenizer <= `max_tokens` (an upper bound of the
-       longest training branch);
-   (5) it ends with a non-empty summary and never on a search. A trailing
-       delete is allowed: retracting an unsupported last sentence is complete.
-5. relevance: a corrective trace is dropped when, for one of its corrections,
-   the best top-1 result of the searches before the delete has TF-IDF cosine
-   < `relevance_min` with the corrected sentence (see `relevance`).
-6. factuality gain: a corrective trace is kept only if F(final summary) -
-   F(uncorrected draft) >= `gain_min` (F: lexical | oracle | fenice, through
-   `rewards` and `data`), and no error the teacher found was left uncorrected.
-7. near-duplicates: MinHash LSH over word 3-shingles of the written trace
-   (results excluded: they follow from document and query), Jaccard >=
-   `dedup_threshold`; of two near-duplicates the better-ranked one stays.
-8. ranking: at most `keep_per_doc` traces per document, by structural signals
-   (every delete searched first, no repeated identical call, tool-call depth,
-   distinct queries); ties go to a tool-call shape not yet kept.
-9. split: the leak-cluster-guarded manifest of `data.make_split` (frozen on
-   first use, checked after): train.jsonl and eval.jsonl; traces of
-   never-touch documents are withheld entirely.
-Then: funnel.json and a printed table, and a spot check of `spot_check.n`
+Each trace is dropped by the first of nine gates it fails (listed in `main`),
+and the reason is counted. Then: funnel.json and a printed table, and a spot check of `spot_check.n`
 traces per `spot_check.per_traces` (seeded) as a self-contained HTML viewer
 and a CSV to mark by hand. On the news world the oracle marks the sample (and
 the whole corpus) and the noise rate is reported (the target: <= 5%).
 
 Relevance: a rule "top-1 BM25 < 0.3 cosine" cannot be applied as written (BM25
 scores are not cosines), so relevance is a TF-IDF cosine between the top result
-and the correction. Its FENICE gain is configurable: the CPU
-default is the lexical scorer (named as such in the funnel), the news world's
+and the correction. The factuality gain is scored by a configurable backend: the
+CPU default is the lexical scorer (named as such in the funnel), the news world's
 is its oracle.
 """
 from __future__ import annotations
@@ -493,6 +460,43 @@ def pool_of(manifest: dict) -> dict[str, str]:
 
 
 def main(cfg: Config) -> dict:
+    """Filter `cfg.traces` into the corpus; returns the funnel.
+
+    Each trace is dropped by the first gate it fails, and the reason is counted:
+    1. annotation: the teacher's answer was junk (synth keeps such traces as
+       "rejected", with the reason).
+    2. judge: the reasoning judge's score is below `judge_min` (the judge decides
+       which traces are eligible at all).
+    3. token budget: every results block is re-fitted to `result_tokens` policy
+       tokens by replaying the trace with the policy tokenizer's length (sentences
+       are shortened with an ellipsis, never dropped; the count is reported). No
+       trace is dropped here.
+    4. format, five hard rejects:
+       (1) every <search> is answered by its results (no tool error);
+       (2) at most `max_deletes` deletes, and no cap was hit;
+       (3) parseable tags and scopes: no malformed call, no stray or dangling
+           markup, every delete retracted something;
+       (4) the trace fits the trainer's budget: prompt + every turn + every result
+           under the policy tokenizer <= `max_tokens` (an upper bound of the
+           longest training branch);
+       (5) it ends with a non-empty summary and never on a search. A trailing
+           delete is allowed: retracting an unsupported last sentence is complete.
+    5. relevance: a corrective trace is dropped when, for one of its corrections,
+       the best top-1 result of the searches before the delete has TF-IDF cosine
+       < `relevance_min` with the corrected sentence (see `relevance`).
+    6. factuality gain: a corrective trace is kept only if F(final summary) -
+       F(uncorrected draft) >= `gain_min` (F: lexical | oracle | fenice, through
+       `rewards` and `data`), and no error the teacher found was left uncorrected.
+    7. near-duplicates: MinHash LSH over word 3-shingles of the written trace
+       (results excluded: they follow from document and query), Jaccard >=
+       `dedup_threshold`; of two near-duplicates the better-ranked one stays.
+    8. ranking: at most `keep_per_doc` traces per document, by structural signals
+       (every delete searched first, no repeated identical call, tool-call depth,
+       distinct queries); ties go to a tool-call shape not yet kept.
+    9. split: the leak-cluster-guarded manifest of `data.make_split` (frozen on
+       first use, checked after): train.jsonl and eval.jsonl; traces of
+       never-touch documents are withheld entirely.
+    """
     t0 = time.perf_counter()
     for path in [*cfg.traces, cfg.docs_path]:
         if not os.path.exists(path):
