@@ -19,6 +19,9 @@ from typing import Any, NamedTuple, Sequence
 import sandbox
 
 
+import textsplit
+
+
 # ---------------------------------------------------------------------------
 # Small shared pieces: input coercion, keys, a bounded LRU
 # ---------------------------------------------------------------------------
@@ -462,7 +465,7 @@ def _entities_spacy(sentence: str, model: str) -> list[Name]:
 def entities(text: str, ner: str = "heuristic", spacy_model: str = "en_core_web_sm") -> list[tuple[str, ...]]:
     """The names in `text`, each as a tuple of normalised tokens."""
     out = []
-    for sent in sandbox.split_sentences(text):
+    for sent in textsplit.split_sentences(text):
         found = _entities_spacy(sent, spacy_model) if ner == "spacy" else _entities_heuristic(sent)
         out += [name.tokens for name in found]
     return out
@@ -540,7 +543,7 @@ def _premise_spans(n: int, window: int) -> list[tuple[int, int]]:
 
 
 def _analyse_document(text: str, ner: str, spacy_model: str, window: int) -> DocInfo:
-    spans = sandbox.sentence_spans(text)
+    spans = textsplit.sentence_spans(text)
     sentences = [text[a:b] for a, b in spans]
     starts = [a for a, _ in spans]
     nums: dict[str, list] = collections.defaultdict(list)
@@ -651,10 +654,10 @@ def summary_info(summary: Any, ner: str = "heuristic", spacy_model: str = "en_co
     passes a RewardConfig's settings)."""
     text = _text_of(summary)
     episode = summary if isinstance(summary, sandbox.Episode) else None
-    words = sandbox.words(text)
+    words = textsplit.words(text)
     bad = _PROFANITY | {w.lower() for w in profanity_extra}
     profane = [w for w in words if w in bad]
-    claims = [_claim(sent, ner, spacy_model) for sent in sandbox.split_sentences(text)]
+    claims = [_claim(sent, ner, spacy_model) for sent in textsplit.split_sentences(text)]
     return SummaryInfo(text, len(words), claims, profane, _MARKUP_RE.findall(text), episode)
 
 

@@ -43,7 +43,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
-import sandbox
+
+import textsplit
 
 DOC_VERSION = 1  # version of the Document JSONL record
 MANIFEST_VERSION = 1  # version of the split manifest
@@ -366,11 +367,11 @@ def content_hash(text: str) -> str:
 
 def doc_features(text: str, shingle: int = 3, entity_weight: int = 8) -> set[str]:
     """MinHash features of a document: content-word shingles plus weighted entity and number features."""
-    toks = ["#" if any(c.isdigit() for c in w) else w for w in sandbox.words(text)]
+    toks = ["#" if any(c.isdigit() for c in w) else w for w in textsplit.words(text)]
     content = [w for w in toks if w not in STOP_WORDS]
     feats = {" ".join(content[i:i + shingle]) for i in range(max(1, len(content) - shingle + 1))}
     names = set()
-    for sent in sandbox.split_sentences(text):
+    for sent in textsplit.split_sentences(text):
         for m in _NAME_SPAN.finditer(sent):
             words = m.group().split()
             while words and (words[0].lower() in STOP_WORDS or words[0] in _MONTH_SET or words[0] in ("We", "I")):

@@ -45,6 +45,7 @@ import modeling
 import rewards
 import rollout
 import sandbox
+import textsplit
 
 TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
                 "none": ("<search", "</search", "<delete")}
@@ -140,7 +141,7 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
         c = t.call
         if c is not None and c.kind == "delete" and c.deleted:
             summary = sandbox.replay(ep.document, before + t.text[:c.start], **(limits or {})).summary
-            sentences = sandbox.split_sentences(summary)
+            sentences = textsplit.split_sentences(summary)
             gone = " ".join(c.deleted.split())
             last = sentences[-1] if sentences else gone
             start = len(last) - len(gone) if last.endswith(gone) else 0
@@ -170,7 +171,7 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
     for t in ep.turns:
         c = t.call
         if c is not None:
-            snapshot = sandbox.split_sentences(sandbox.replay(ep.document, before + t.text[:c.start],
+            snapshot = textsplit.split_sentences(sandbox.replay(ep.document, before + t.text[:c.start],
                                                               **(limits or {})).summary)
             if snapshot:
                 idx, text = len(snapshot) - 1, snapshot[-1]
@@ -184,7 +185,7 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
                 elif c.kind == "delete" and c.valid and c.deleted:
                     cur["deleted"] = True
         before += t.text + t.injected
-    final = sandbox.split_sentences(ep.summary)
+    final = textsplit.split_sentences(ep.summary)
     kept = {(e["index"], e["text"]) for e in events if not e["deleted"]}
     events += [{"index": i, "text": s, "searched": False, "deleted": False, "hits": []}
                for i, s in enumerate(final) if (i, s) not in kept]

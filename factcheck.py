@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 import rewards as R
-import sandbox
+import textsplit
 
 FEATURES = ("support_min", "unsupported_words", "support_same_sentence")
 # Ridge strength per standardised feature: the support score enters freely, the
@@ -80,7 +80,7 @@ class Model:
         return 1.0 / (1.0 + np.exp(-z))
 
     def score(self, document, summary: str) -> float:
-        if not sandbox.split_sentences(summary):
+        if not textsplit.split_sentences(summary):
             return 0.0
         return float(self.predict([features(document, summary)])[0])
 

@@ -12,7 +12,8 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-import sandbox
+
+import textsplit
 from claims import LRU, text_key
 
 
@@ -265,9 +266,9 @@ class Fenice:
         key = text_key(text)
         doc = self.docs.get(key)
         if doc is None:
-            # Deviation: sentences come from sandbox.split_sentences (the splitter
+            # Deviation: sentences come from textsplit.split_sentences (the splitter
             # the search tool uses) rather than spaCy's; the chunks follow.
-            spans = sandbox.sentence_spans(text)
+            spans = textsplit.sentence_spans(text)
             sents = [text[a:b] for a, b in spans]
             doc = _FeniceDoc(text, spans, sents, chunk_premises(sents, self.cfg.chunk_sentences,
                                                                   self.cfg.chunk_stride),
@@ -290,7 +291,7 @@ class Fenice:
             if cached is not None:
                 out[s] = cached
                 self.stats["claim_hits"] += 1
-            elif not sandbox.words(s):
+            elif not textsplit.words(s):
                 out[s] = []
             else:
                 todo.append(s)
@@ -299,9 +300,9 @@ class Fenice:
                 self._claim_fn = self._load_extractor()
             self.stats["summaries_extracted"] += len(todo)
             for s, generated in zip(todo, self._claim_fn(todo)):
-                claims = list(dict.fromkeys(c.strip() for c in sandbox.split_sentences(generated or "")
-                                            if sandbox.words(c)))
-                out[s] = claims or [c for c in sandbox.split_sentences(s) if sandbox.words(c)]
+                claims = list(dict.fromkeys(c.strip() for c in textsplit.split_sentences(generated or "")
+                                            if textsplit.words(c)))
+                out[s] = claims or [c for c in textsplit.split_sentences(s) if textsplit.words(c)]
                 self.claims.put(s, out[s])
         return [out[s] for s in summaries]
 

@@ -37,6 +37,7 @@ import modeling
 import data
 import rewards
 import sandbox
+import textsplit
 from traces import read_traces, tfidf_cosine
 from teachers import body, correction_steps, oracle_flags
 
@@ -159,7 +160,7 @@ def uncorrected_draft(ep: sandbox.Episode) -> str:
     for t in ep.turns:
         b = body(t)
         if skip and b.strip():
-            b = " ".join(sandbox.split_sentences(b)[1:])
+            b = " ".join(textsplit.split_sentences(b)[1:])
             skip = False
         parts.append(b)
         if t.call and t.call.kind == "delete" and t.call.deleted:
@@ -243,7 +244,7 @@ def _tid(ep: sandbox.Episode) -> str:
 
 
 def shingles(text: str, n: int) -> set[str]:
-    w = sandbox.words(text)
+    w = textsplit.words(text)
     return {" ".join(w[i:i + n]) for i in range(max(1, len(w) - n + 1))}
 
 
@@ -275,7 +276,7 @@ def oracle_noise(doc: data.Document, ep: sandbox.Episode) -> list[str]:
     retracted a right sentence, or a search-only check followed a wrong one."""
     reasons = []
     steps, only = correction_steps(ep)
-    final = sandbox.split_sentences(ep.summary)
+    final = textsplit.split_sentences(ep.summary)
     fixes = {" ".join(st["corrected"].split()) for st in steps if st["corrected"]}
     for sent, bad in zip(final, oracle_flags(doc, final)):
         if bad:
@@ -284,7 +285,7 @@ def oracle_noise(doc: data.Document, ep: sandbox.Episode) -> list[str]:
     deleted = [st["deleted"] for st in steps if st["deleted"]]
     if deleted and not all(oracle_flags(doc, deleted)):
         reasons.append("a delete retracted a right sentence")
-    before = [(sandbox.split_sentences(body(ep.turns[k])) or [""])[-1] for k in only]
+    before = [(textsplit.split_sentences(body(ep.turns[k])) or [""])[-1] for k in only]
     before = [s for s in before if s]
     if before and any(oracle_flags(doc, before)):
         reasons.append("a search-only check followed a wrong sentence")
@@ -299,10 +300,10 @@ def drafter_disagrees(ep: sandbox.Episode) -> list[str]:
     if labels is None:
         return []
     norm = lambda s: " ".join(s.split())  # noqa: E731
-    draft = [norm(s) for s in sandbox.split_sentences(ep.meta.get("draft") or "")]
+    draft = [norm(s) for s in textsplit.split_sentences(ep.meta.get("draft") or "")]
     broken = {draft[lab["sentence_index"]] for lab in labels if lab["sentence_index"] < len(draft)}
     reasons = []
-    if broken & {norm(s) for s in sandbox.split_sentences(ep.summary)}:
+    if broken & {norm(s) for s in textsplit.split_sentences(ep.summary)}:
         reasons.append("a sentence the drafter broke is kept")
     if any(norm(st["deleted"]) not in broken for st in correction_steps(ep)[0] if st["deleted"]):
         reasons.append("a sentence the drafter did not break was deleted")

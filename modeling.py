@@ -93,7 +93,8 @@ def _tokenizer_texts(n_docs: int, seed: int) -> list[str]:
     import re
 
     import newsworld
-    from sandbox import error_block, prompt_messages, results_block, split_sentences
+    from sandbox import error_block, prompt_messages, results_block
+    from textsplit import split_sentences
 
     rng = random.Random(seed)
     texts = [m["content"] for m in prompt_messages("")]

@@ -25,6 +25,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 import sandbox
+
+import textsplit
 from data import STOP_WORDS, DataError, Document, seeded_rng
 from newsvocab import (
     C, CONFLICT, MONTHS, PREDICATES, Qty, Unit, When, _F, _MONTH_DAYS, _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS,
@@ -380,7 +382,7 @@ class DocView:
         self.family = FAMILIES.get(doc.bucket)
         if self.family is None or not doc.facts:
             raise DataError(f"document {doc.id!r} is not a news world document (no fact table)")
-        self.sentences = sandbox.split_sentences(doc.text)
+        self.sentences = textsplit.split_sentences(doc.text)
         self.entities = doc.entities
         self.words = frozenset(re.findall(r"[A-Z][\w'’-]*", doc.text))
         self.facts = doc_facts(doc)
@@ -575,7 +577,7 @@ def oracle_errors(doc: Document, summary: str) -> list[dict]:
     """
     view = DocView(doc)
     labels = []
-    for idx, sentence in enumerate(sandbox.split_sentences(summary)):
+    for idx, sentence in enumerate(textsplit.split_sentences(summary)):
         anchor, errors = _check_sentence(view, sentence)
         if not errors:
             continue
@@ -599,7 +601,7 @@ def stated_facts(doc: Document, summary: str) -> list[dict]:
     states nothing the article supports. Fact precision is the supported share."""
     view = DocView(doc)
     out = []
-    for idx, sentence in enumerate(sandbox.split_sentences(summary)):
+    for idx, sentence in enumerate(textsplit.split_sentences(summary)):
         taken: list[tuple[int, int]] = []
         mentions = [("name", m.start, m.end) for m in entity_mentions(sentence, view.entities, view.words, taken)]
         mentions += [(m.kind, m.start, m.end) for m in parse_quantities(sentence, taken)]
@@ -633,7 +635,7 @@ def _unsupported_key(sentence: str) -> str:
 
 def oracle_fact_score(doc: Document, summary: str) -> float:
     """Share of summary sentences with no error, in [0, 1]; an empty summary scores 0.0."""
-    sentences = sandbox.split_sentences(summary)
+    sentences = textsplit.split_sentences(summary)
     if not sentences:
         return 0.0
     view = DocView(doc)
@@ -790,7 +792,7 @@ def draft(doc: Document, rng: random.Random, n_errors: int | None = None, clean_
     (the whole corrected sentence, to write after `<delete scope="sentence"/>`),
     `regex_key` (finds the supporting sentence, built from the sentence's correct
     parts), `type`, `intrinsic` (the wrong value or entity occurs in the
-    document) and `sentence_index` (in `sandbox.split_sentences(summary)`).
+    document) and `sentence_index` (in `textsplit.split_sentences(summary)`).
     """
     text, labels, _ = draft_detailed(doc, rng, n_errors, clean_rate, max_errors, types)
     return text, labels
@@ -860,15 +862,15 @@ def _dist(xs: Sequence[float]) -> dict:
 
 def world_stats(docs: Sequence[Document], draft_seed: int = 0, clean_rate: float = 0.2) -> dict:
     """Counts and length distributions; for news world documents also drafts and drafter/oracle agreement."""
-    sents = [sandbox.split_sentences(d.text) for d in docs]
+    sents = [textsplit.split_sentences(d.text) for d in docs]
     out = {
         "documents": len(docs),
         "by_bucket": dict(sorted(Counter(d.bucket for d in docs).items())),
         "sentences_per_doc": _dist([len(s) for s in sents]),
-        "words_per_doc": _dist([len(sandbox.words(d.text)) for d in docs]),
-        "words_per_sentence": _dist([len(sandbox.words(x)) for s in sents for x in s]),
-        "summary_sentences": _dist([len(sandbox.split_sentences(d.summary)) for d in docs if d.summary]),
-        "summary_words": _dist([len(sandbox.words(d.summary)) for d in docs if d.summary]),
+        "words_per_doc": _dist([len(textsplit.words(d.text)) for d in docs]),
+        "words_per_sentence": _dist([len(textsplit.words(x)) for s in sents for x in s]),
+        "summary_sentences": _dist([len(textsplit.split_sentences(d.summary)) for d in docs if d.summary]),
+        "summary_words": _dist([len(textsplit.words(d.summary)) for d in docs if d.summary]),
     }
     world = [d for d in docs if d.facts and d.bucket in FAMILIES]
     if not world:
@@ -889,7 +891,7 @@ def world_stats(docs: Sequence[Document], draft_seed: int = 0, clean_rate: float
         for lab in oracle:
             flagged[lab["sentence_index"]].add(lab["type"])
         injected = {lab["sentence_index"]: lab for lab in labels}
-        for i in range(len(sandbox.split_sentences(text))):
+        for i in range(len(textsplit.split_sentences(text))):
             if i not in injected:
                 clean_sents += 1
                 false_alarm += bool(flagged.get(i))
@@ -904,7 +906,7 @@ def world_stats(docs: Sequence[Document], draft_seed: int = 0, clean_rate: float
             key_hit += tgt in hits
             key_first += bool(hits) and hits[0] == tgt
         if labels:
-            parts = sandbox.split_sentences(text)
+            parts = textsplit.split_sentences(text)
             for lab in labels:
                 parts[lab["sentence_index"]] = lab["corrected_clause"]
             fixed += not oracle_errors(d, " ".join(p for p in parts if p))

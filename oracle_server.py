@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import data
 import oracle
-import sandbox
+import textsplit
 
 JUDGE_MARK = "You grade how well a summariser used its tools"
 ANNOTATE_MARK = "meticulous fact-checker"
@@ -52,13 +52,13 @@ class OracleTeacher:
 
     def judge(self, user: str) -> str:
         trace = user.split("Trace (the summariser's output; <results> blocks are what its searches returned):\n", 1)[-1]
-        first = sandbox.split_sentences(trace)[:1] or [trace[:40]]
+        first = textsplit.split_sentences(trace)[:1] or [trace[:40]]
         return json.dumps({"score": 1.0, "evidence": [{"span": first[0], "why": "the oracle finds no error"}]})
 
     def summarise(self, prompt: str, so_far: str) -> str:
         """The next round of a teacher episode: a sentence and a search for it, then the rest."""
         doc = self.find(prompt)
-        sents = sandbox.split_sentences(doc.summary)
+        sents = textsplit.split_sentences(doc.summary)
         if "<results>" not in so_far:
             key = re.escape(" ".join(sents[0].split()[:3]))
             return f"{sents[0]}<search>/{key}/</search>"

@@ -54,6 +54,7 @@ import numpy as np
 
 import claims
 import sandbox
+import textsplit
 from claims import (
     LRU, NEGATIONS, STOPWORDS, Claim, DocInfo, Part, SummaryInfo, _name_sentences, _num_sentences, _premises_of,
     _stem, _text_of, text_key,
@@ -230,12 +231,12 @@ def rule_numbers(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
 def rule_repetition(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
     """Distinct word trigrams (a repeated phrase, "on on on") times distinct sentences
     (a repeated claim counts once: "Granite Group. Granite Group.")."""
-    words = [w.lower() for w in sandbox.words(s.text)]
+    words = [w.lower() for w in textsplit.words(s.text)]
     grams = list(zip(words, words[1:], words[2:]))
     fresh = len(set(grams)) / len(grams) if grams else 1.0
     span = max(1e-9, cfg.repeat_fresh - cfg.repeat_floor)
     phrase = min(1.0, max(0.0, (fresh - cfg.repeat_floor) / span))
-    keys = [tuple(w.lower() for w in sandbox.words(c.text)) for c in s.claims]
+    keys = [tuple(w.lower() for w in textsplit.words(c.text)) for c in s.claims]
     keys = [k for k in keys if k]
     sentences = len(set(keys)) / len(keys) if keys else 1.0
     return RuleResult(phrase * sentences, {"distinct_trigrams": round(fresh, 4), "distinct_sentences": round(sentences, 4)})
@@ -496,7 +497,7 @@ def support_document(document: Any) -> dict[str, frozenset]:
     post = _SUPPORT_DOCS.get(key)
     if post is None:
         acc = collections.defaultdict(set)
-        for i, sent in enumerate(sandbox.split_sentences(repair_document(text))):
+        for i, sent in enumerate(textsplit.split_sentences(repair_document(text))):
             for w in _support_words(sent):
                 acc[w].add(i)
         post = {w: frozenset(v) for w, v in acc.items()}
@@ -517,7 +518,7 @@ def support_details(document: Any, summary: Any, cfg: SupportConfig | None = Non
     cfg = cfg or SupportConfig()
     post = support_document(document)
     details = []
-    for sent in sandbox.split_sentences(repair_summary(_text_of(summary))):
+    for sent in textsplit.split_sentences(repair_summary(_text_of(summary))):
         found = [(w, tok) for tok in _SUPPORT_TOKEN_RE.findall(sent) if (w := _support_word(tok))]
         words = [w for w, _ in found]
         if not words:
@@ -567,7 +568,7 @@ def _query_words(query: str | None) -> frozenset:
     mode, q, _ = sandbox.parse_query(query)
     if mode == "regex":
         q = _ESCAPE_RE.sub(" ", q)  # \d, \b, \s are syntax, not words
-    return frozenset(sandbox.words(q))
+    return frozenset(textsplit.words(q))
 
 
 def _jaccard(a: frozenset | set, b: frozenset | set) -> float:
@@ -602,7 +603,7 @@ def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float
     elif document is not None:
         overlap = _unsupported(document, call.deleted or "")
     else:
-        a, b = frozenset(sandbox.words(call.deleted or "")), frozenset(sandbox.words(teacher.deleted or ""))
+        a, b = frozenset(textsplit.words(call.deleted or "")), frozenset(textsplit.words(teacher.deleted or ""))
         overlap = _jaccard(a, b) if a or b else float(call.arg == teacher.arg)
     return kind_weight + (1.0 - kind_weight) * overlap
 

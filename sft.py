@@ -57,6 +57,7 @@ import modeling
 import rewards
 import rollout
 import sandbox
+import textsplit
 
 
 @dataclass
@@ -200,7 +201,7 @@ def rewrite_lengths(ep: sandbox.Episode, tokenizer) -> list[int]:
         n = 0
         if prev is not None and prev.call is not None and prev.call.kind == "delete" and prev.call.deleted and t.ids:
             body = t.text[:t.call.start] if t.call is not None else t.text
-            first = sandbox.split_sentences(body)
+            first = textsplit.split_sentences(body)
             if first:
                 end = body.find(first[0]) + len(first[0])
                 while n < len(t.ids) and len(tokenizer.decode(t.ids[:n])) < end:

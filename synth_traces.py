@@ -65,6 +65,7 @@ import data
 import newsworld
 import oracle
 import sandbox
+import textsplit
 from teachers import (
     Annotation, GenerateConfig, Judge, PromptedTokenizer, TeacherConfig, load_generator, make_annotator,
     sampling_for, unique_rounds, written_text,
@@ -155,7 +156,7 @@ def bm25_query(document: str, sentence: str, target: int, max_words: int = 6) ->
     index, tf = sandbox.index_for(document), tfidf_for(document)
     tgt = set(index.tokens[target])
     seen, cand = set(), []
-    for w in sandbox.words(sentence):
+    for w in textsplit.words(sentence):
         if w in tgt and w not in seen:
             seen.add(w)
             cand.append(w)
@@ -486,7 +487,7 @@ def synth_batch(items: Sequence[Item], drafter, annotator, cfg: Config
             continue
         text, corrections = d.text, []
         if ann.error is None:
-            text, corrections = render(sandbox.split_sentences(d.text), group_labels(ann.labels), _query_fn(it, cfg),
+            text, corrections = render(textsplit.split_sentences(d.text), group_labels(ann.labels), _query_fn(it, cfg),
                                        it.rng("positives"), cfg.search_rate, **_render_kw(it, cfg))
         traces.append(_finish(it, text, d, ann.labels, ann, corrections, drafter, annotator, cfg))
     return traces, failed
@@ -523,9 +524,9 @@ def _synth_iterative(items, drafter, annotator, cfg):
             if ann.failed or ann.error:
                 s.done = True
                 continue
-            n_kept = len(sandbox.split_sentences(k))  # labels on the fixed prefix were dealt with already
+            n_kept = len(textsplit.split_sentences(k))  # labels on the fixed prefix were dealt with already
             groups = {j - n_kept: labs for j, labs in group_labels(ann.labels).items() if j >= n_kept}
-            sentences = sandbox.split_sentences(s.open)
+            sentences = textsplit.split_sentences(s.open)
             if not groups or rnd == cfg.drafter.max_rounds:
                 text, _ = render(sentences, {}, _query_fn(it, cfg), it.rng(f"positives{rnd}"), cfg.search_rate,
                                  avoid=set(groups), **_render_kw(it, cfg))

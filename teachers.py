@@ -32,6 +32,7 @@ import modeling
 import data
 import oracle
 import sandbox
+import textsplit
 
 # USD per million tokens; list prices at the time of writing: check them against your provider.
 DEFAULT_PRICES = {
@@ -413,7 +414,7 @@ def label_problem(item, document: str, summary: str) -> tuple[str | None, dict |
     at = summary.find(span)
     if at < 0:
         return "error_span does not occur in the summary", None
-    spans = sandbox.sentence_spans(summary)
+    spans = textsplit.sentence_spans(summary)
     where = [i for i, (a, b) in enumerate(spans) if a <= at < b]
     if not where or at + len(span.rstrip()) > spans[where[0]][1]:
         return "error_span crosses a sentence boundary", None
@@ -566,7 +567,7 @@ def correction_steps(ep: sandbox.Episode) -> tuple[list[dict], list[int]]:
         if len(recorded) > len(steps):
             fixed = recorded[len(steps)]["corrected"]
         else:
-            fixed = (sandbox.split_sentences(body(turns[i + 1])) or [""])[0] if i + 1 < len(turns) else ""
+            fixed = (textsplit.split_sentences(body(turns[i + 1])) or [""])[0] if i + 1 < len(turns) else ""
         steps.append({"delete": i, "searches": searches, "deleted": t.call.deleted or "", "corrected": fixed})
         corrective.update(searches)
     only = [i for i, t in enumerate(turns) if t.call and t.call.kind == "search" and i not in corrective]
@@ -578,7 +579,7 @@ def oracle_flags(doc: data.Document, sentences: Sequence[str]) -> list[bool]:
     into the same sentences (the oracle's per-call set-up dominates its cost)."""
     sentences = [" ".join(s.split()) for s in sentences]
     joined = " ".join(sentences)
-    if sandbox.split_sentences(joined) == sentences:
+    if textsplit.split_sentences(joined) == sentences:
         flagged = {lab["sentence_index"] for lab in oracle.oracle_errors(doc, joined)}
         return [i in flagged for i in range(len(sentences))]
     return [bool(oracle.oracle_errors(doc, s)) for s in sentences]
@@ -606,7 +607,7 @@ def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
         for k in st["searches"]:
             checks.append((None, None, bool(ep.turns[k].call.hits), quote(k), "found evidence", "found nothing"))
     for k in only:
-        sent = (sandbox.split_sentences(body(ep.turns[k])) or [""])[-1]
+        sent = (textsplit.split_sentences(body(ep.turns[k])) or [""])[-1]
         checks.append((sent or None, False, False, quote(k), "checked a right sentence", "kept a wrong sentence"))
     if not checks:
         ok = not oracle.oracle_errors(doc, ep.summary)

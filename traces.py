@@ -22,19 +22,20 @@ import common
 import settings
 import data
 import sandbox
+import textsplit
 
 
 class Tfidf:
-    """TF-IDF vectors over `sandbox.words`, with IDF from one document's sentences."""
+    """TF-IDF vectors over `textsplit.words`, with IDF from one document's sentences."""
 
     def __init__(self, sentences: Sequence[str]):
         n = len(sentences)
-        df = Counter(w for s in sentences for w in set(sandbox.words(s)))
+        df = Counter(w for s in sentences for w in set(textsplit.words(s)))
         self.idf = {w: math.log((1 + n) / (1 + c)) + 1.0 for w, c in df.items()}
         self.unseen = math.log(1 + n) + 1.0  # a word the document never uses weighs most
 
     def vector(self, text: str) -> dict[str, float]:
-        return {w: c * self.idf.get(w, self.unseen) for w, c in Counter(sandbox.words(text)).items()}
+        return {w: c * self.idf.get(w, self.unseen) for w, c in Counter(textsplit.words(text)).items()}
 
     def cosine(self, a: str, b: str) -> float:
         va, vb = self.vector(a), self.vector(b)

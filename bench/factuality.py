@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # before bench/, whose rewards.py is a benchmark, not the module
 import claims  # noqa: E402
 import rewards as R  # noqa: E402
+import textsplit  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
 import factuality_data as FD  # noqa: E402
@@ -56,7 +57,7 @@ def word_overlap(document: str, summary: str) -> float:
     """The issue's 30-line baseline: min over sentences of the share of content words in the document."""
     doc = {w.lower() for w in R._SUPPORT_TOKEN_RE.findall(document)}
     shares = []
-    for sent in R.sandbox.split_sentences(summary):
+    for sent in textsplit.split_sentences(summary):
         words = [w.lower() for w in R._SUPPORT_TOKEN_RE.findall(sent) if w.lower() not in R.STOPWORDS]
         if words:
             shares.append(sum(w in doc for w in words) / len(words))

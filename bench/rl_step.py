@@ -35,12 +35,13 @@ import data  # noqa: E402
 import modeling  # noqa: E402
 import newsworld  # noqa: E402
 import sandbox  # noqa: E402
+import textsplit  # noqa: E402
 
 LR = 1e-5
 
 
 def distinct_words(text: str) -> float:
-    return len(set(sandbox.words(text))) / 50
+    return len(set(textsplit.words(text))) / 50
 
 
 def documents(n: int) -> list:

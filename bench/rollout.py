@@ -31,6 +31,7 @@ import modeling  # noqa: E402
 import newsworld  # noqa: E402
 import rollout as R  # noqa: E402
 import sandbox  # noqa: E402
+import textsplit  # noqa: E402
 
 
 def long_documents(tokenizer, n, lo=600, hi=800):
@@ -53,13 +54,13 @@ def long_documents(tokenizer, n, lo=600, hi=800):
 def script_text(parts, row, tokenizer, n_tokens):
     """About three tool events, at a row-dependent place, padded with the
     article's own sentences to n_tokens."""
-    ref = sandbox.split_sentences(" ".join(p.summary for p in parts))
+    ref = textsplit.split_sentences(" ".join(p.summary for p in parts))
     index = sandbox.DocIndex("\n\n".join(p.text for p in parts))
     lead = " ".join(ref[: 1 + row % 3])
     first = ref[0]
     key = re.escape(" ".join(first.split()[:3]))
     events = (f" {first.replace('.', ', reportedly.', 1)}<search>/{key}/</search><delete scope=\"sentence\"/>"
-              f" {first} {ref[1] if len(ref) > 1 else first}<search>{' '.join(sandbox.words(first)[:4])}</search>"
+              f" {first} {ref[1] if len(ref) > 1 else first}<search>{' '.join(textsplit.words(first)[:4])}</search>"
               f" {ref[-1][:-1]}, as expected by most analysts<delete scope=\"clause\"/> at last.")
     filler = " ".join(index.sentences)
     text = lead + events + " " + filler

@@ -27,6 +27,7 @@ import newsworld  # noqa: E402
 import oracle  # noqa: E402
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
+import textsplit  # noqa: E402
 import sft  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def traces(n, seed=0):
         text, labels = oracle.draft(doc, rng, n_errors=1)
         lab = labels[0] if labels else None
         if lab:
-            sents = sandbox.split_sentences(text)
+            sents = textsplit.split_sentences(text)
             i = lab["sentence_index"]
             sents[i] += f'<search>/({lab["regex_key"]})/</search><delete scope="sentence"/> {lab["corrected_clause"]}'
             text = " ".join(sents)

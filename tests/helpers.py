@@ -72,6 +72,7 @@ def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
     import newsworld
     import oracle
     import sandbox
+    import textsplit
 
     rng = random.Random(seed)
     out = []
@@ -79,14 +80,14 @@ def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
         text, labels = oracle.draft(doc, rng)
         by_sentence = {lab["sentence_index"]: lab for lab in labels}
         parts = []
-        for i, sent in enumerate(sandbox.split_sentences(text)):
+        for i, sent in enumerate(textsplit.split_sentences(text)):
             lab = by_sentence.get(i)
             lead = " " if parts else ""
             if lab:
                 parts.append(f'{lead}{sent}<search>/({lab["regex_key"]})/</search><delete scope="sentence"/> '
                              f'{lab["corrected_clause"]}')
             elif rng.random() < search_only:
-                words = " ".join(sandbox.words(sent)[:4])
+                words = " ".join(textsplit.words(sent)[:4])
                 parts.append(f"{lead}{sent}<search>{words}</search>")
             else:
                 parts.append(lead + sent)

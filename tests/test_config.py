@@ -490,7 +490,7 @@ def test_shared_modules_import_without_torch():
 
 # The layers: a module imports (at module level) only modules of the layers below it.
 # Scripts (sft.py, rl.py, ...) sit above all of these.
-LAYERS = [{"settings", "sandbox"}, {"common", "data", "claims"}, {"newsvocab", "modeling", "fenice"},
+LAYERS = [{"settings", "textsplit"}, {"sandbox", "common", "data"}, {"claims"}, {"newsvocab", "modeling", "fenice"},
           {"newsworld", "vram"}, {"oracle"}, {"rewards", "rollout"}, {"factcheck", "teachers", "traces"}]
 
 

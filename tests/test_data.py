@@ -8,6 +8,7 @@ import types
 import pytest
 
 import data
+import textsplit
 import newsworld
 from data import DataError, Document, LeakError
 
@@ -272,7 +273,7 @@ def test_check_split_fails_loudly_on_a_planted_leak():
     # 2. A paraphrase of a training document filed under eval with a fresh cluster id:
     #    the manifest looks clean, re-clustering the documents finds the leak.
     train_doc = next(d for d in docs if any(e["id"] == d.id for e in manifest["pools"]["train"]))
-    sentences = data.sandbox.split_sentences(train_doc.text)
+    sentences = textsplit.split_sentences(train_doc.text)
     twin = Document("planted-twin", " ".join(reversed(sentences)), bucket=train_doc.bucket)
     planted = json.loads(json.dumps(manifest))
     planted["pools"]["eval"].append({"id": twin.id, "sha256": data.content_hash(twin.text), "cluster": "c-new",
@@ -308,7 +309,7 @@ def test_leak_guard_catches_a_generated_twin_of_a_held_out_document():
     manifest = data.make_split(docs, seed=0)
     held = data.pool_documents(docs, manifest, ("eval", "never_touch"))
     guard = data.LeakGuard(held, **manifest["clustering"])
-    twin = Document("fresh-1", " ".join(reversed(data.sandbox.split_sentences(held[3].text))))
+    twin = Document("fresh-1", " ".join(reversed(textsplit.split_sentences(held[3].text))))
     assert guard.match(twin) == held[3].id  # a retelling of a held-out event is kept out
     assert guard.match(held[0]) == held[0].id
     train = data.pool_documents(docs, manifest, "train")

@@ -21,6 +21,7 @@ import eval as E
 import rewards
 import rollout as R
 import sandbox as S
+import textsplit
 from helpers import DOC, bpe_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,8 +112,8 @@ def test_hallucinations_without_an_oracle_use_the_backend_claims():
 
 def test_deletes_that_removed_an_error():
     doc = next(iter(newsworld.documents(1, seed=0)))
-    first, second = S.split_sentences(doc.summary)[:2]
-    wrong = S.split_sentences(_swap_number(doc))[0]
+    first, second = textsplit.split_sentences(doc.summary)[:2]
+    wrong = textsplit.split_sentences(_swap_number(doc))[0]
     assert wrong != first
     text = (f'{wrong}<search>/funding/</search><delete scope="sentence"/> {first} {second}'
             f'<delete scope="sentence"/> {second}')
@@ -123,8 +124,8 @@ def test_deletes_that_removed_an_error():
 
 def test_sentence_events_record_each_written_sentence_and_what_followed():
     doc = next(iter(newsworld.documents(1, seed=0)))
-    first, second, third = S.split_sentences(doc.summary)[:3]
-    wrong = S.split_sentences(_swap_number(doc))[0]
+    first, second, third = textsplit.split_sentences(doc.summary)[:3]
+    wrong = textsplit.split_sentences(_swap_number(doc))[0]
     support = doc.text.split(". ")[0] + "."  # the article sentence holding the first fact
     text = (f"{wrong}<search>{wrong[:-1]}</search><delete scope=\"sentence\"/> {support} "
             f"{second}<search>{second[:-1]}</search> {third}")

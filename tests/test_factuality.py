@@ -13,6 +13,7 @@ import newsworld
 import oracle
 import factcheck as FC
 import rewards as R
+import textsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
@@ -150,7 +151,7 @@ def test_features_are_the_support_score_and_missing_words():
 def test_support_repairs_sentence_boundaries_of_lower_cased_summaries_and_glued_documents():
     # lower-cased output: one faulty sentence must not hide in one long "sentence"
     low = "granite group reported revenue of $4.2 billion. pirates stole the moon."
-    assert len(R.sandbox.split_sentences(low)) == 1
+    assert len(textsplit.split_sentences(low)) == 1
     assert R.repair_summary(low) == "granite group reported revenue of $4.2 billion. Pirates stole the moon."
     assert R.support_factuality(DOC, low) == 0.0  # the worst sentence, as in cased text
     assert len(R.support_details(DOC, low)[1]) == 2

@@ -14,6 +14,7 @@ import newsworld
 import oracle
 import filter_traces as ft
 import sandbox
+import textsplit
 import synth_traces as st
 import traces
 import teachers
@@ -70,7 +71,7 @@ def test_format_token_budget_uses_the_policy_tokenizer():
 def _corrective(doc, types=None, key=None):
     draft, labels = oracle.draft(doc, random.Random(1), n_errors=1, types=types or oracle.ERROR_TYPES)
     lab = dict(labels[0], regex_key=key or labels[0]["regex_key"])
-    text, corr = st.render(sandbox.split_sentences(draft), {lab["sentence_index"]: [lab]}, lambda s: None,
+    text, corr = st.render(textsplit.split_sentences(draft), {lab["sentence_index"]: [lab]}, lambda s: None,
                            random.Random(0), 0.0)
     ep = sandbox.replay(doc.text, text)
     ep.doc_id, ep.meta = doc.id, {"draft": draft, "corrections": corr, "id": doc.id + "#0"}
@@ -81,7 +82,7 @@ def test_relevance_tfidf_cosine_between_top_result_and_correction():
     doc = WORLD[0]
     good, lab = _corrective(doc)
     assert ft.relevance(good) >= 0.3
-    sents = sandbox.split_sentences(doc.text)
+    sents = textsplit.split_sentences(doc.text)
     worst = min(range(len(sents)), key=lambda i: traces.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
     key = oracle.rx_escape(" ".join(sents[worst].split()[:5]))
     assert sandbox.DocIndex(doc.text).search(f"/({key})/").hits[0] == worst
@@ -100,7 +101,7 @@ def test_factuality_gain_keeps_real_corrections_only(backend):
     ep, lab = _corrective(doc, types=["number_change"])
     gain = ft.factuality(doc, ep.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(ep), backend)
     assert gain >= 0.05
-    right = sandbox.split_sentences(doc.summary)
+    right = textsplit.split_sentences(doc.summary)
     same = trace(f"{right[0]}<search>/{oracle.rx_escape(right[0].split()[0])}/</search>{DEL} {right[0]} "
                  + " ".join(right[1:]), doc.text)
     assert ft.factuality(doc, same.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(same), backend) < 0.05
@@ -165,13 +166,13 @@ def test_oracle_noise_reasons():
     ok, lab = _corrective(doc)
     assert ft.oracle_noise(doc, ok) == []
     draft = ok.meta["draft"]
-    wrong = sandbox.split_sentences(draft)[lab["sentence_index"]]
+    wrong = textsplit.split_sentences(draft)[lab["sentence_index"]]
     kept = trace(draft, doc.text, draft=draft)
     assert ft.oracle_noise(doc, kept) == ["an error is left in the summary"]
     bad_fix = trace(draft.replace(wrong, f"{wrong}<search>/x/</search>{DEL} {wrong}"), doc.text,
                     corrections=[{"corrected": wrong}])
     assert "a correction introduced an error" in ft.oracle_noise(doc, bad_fix)
-    right = sandbox.split_sentences(doc.summary)
+    right = textsplit.split_sentences(doc.summary)
     needless = trace(f"{right[0]}<search>x</search>{DEL} {right[0]}", doc.text)
     assert ft.oracle_noise(doc, needless) == ["a delete retracted a right sentence"]
     lazy = trace(draft.replace(wrong, f"{wrong}<search>x</search>"), doc.text)
@@ -254,7 +255,7 @@ class _Sloppy:
             if h == 0:
                 labels = []
             elif h == 1:
-                sents = sandbox.split_sentences(summary)
+                sents = textsplit.split_sentences(summary)
                 labels = [dict(lab, corrected_clause=sents[lab["sentence_index"]].rstrip(".") + " as well.")
                           for lab in labels]
             out.append(teachers.Annotation(labels=labels))

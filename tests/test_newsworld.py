@@ -15,6 +15,7 @@ import newsvocab
 import newsworld
 import oracle
 import sandbox
+import textsplit
 from data import Document
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,10 +58,10 @@ def test_articles_summaries_and_fact_tables_are_consistent():
     families = Counter(d.bucket for d in WORLD)
     assert len(families) >= 8 and min(families.values()) >= 20
     for d in WORLD:
-        sentences = sandbox.split_sentences(d.text)
+        sentences = textsplit.split_sentences(d.text)
         assert 6 <= len(sentences) <= 14, d.id
         assert all(s.endswith(".") for s in sentences)
-        assert 2 <= len(sandbox.split_sentences(d.summary)) <= 4
+        assert 2 <= len(textsplit.split_sentences(d.summary)) <= 4
         assert d.source == "newsworld" and d.id.startswith("nw-0-") and d.cluster is None
         key = [f for f in d.facts if f["key"]]
         assert key and {f["kind"].split(".")[0] for f in d.facts} == {d.bucket}
@@ -116,7 +117,7 @@ def test_oracle_finds_no_error_in_references_or_in_any_article_sentence():
         assert oracle.oracle_errors(d, d.summary) == [], d.id
         assert oracle.oracle_fact_score(d, d.summary) == 1.0
     for d in WORLD[:150]:
-        for s in sandbox.split_sentences(d.text):  # a summary that copies the article is correct
+        for s in textsplit.split_sentences(d.text):  # a summary that copies the article is correct
             assert oracle.oracle_errors(d, s) == [], (d.id, s)
 
 
@@ -127,8 +128,8 @@ def test_drafter_labels_are_exact():
     types, intrinsic = Counter(), Counter()
     for k, d in enumerate(WORLD):
         text, labels, targets = oracle.draft_detailed(d, random.Random(k), clean_rate=0.0)
-        parts = sandbox.split_sentences(text)
-        assert len(parts) == len(sandbox.split_sentences(d.summary))
+        parts = textsplit.split_sentences(text)
+        assert len(parts) == len(textsplit.split_sentences(d.summary))
         found = {(o["sentence_index"], o["type"]) for o in oracle.oracle_errors(d, text)}
         index = sandbox.DocIndex(d.text)
         assert len({lab["sentence_index"] for lab in labels}) == len(labels) >= 1  # one error per sentence
@@ -257,7 +258,7 @@ def test_oracle_never_raises_on_junk_and_needs_a_fact_table():
         score = oracle.oracle_fact_score(d, junk)
         assert 0.0 <= score <= 1.0
         for lab in oracle.oracle_errors(d, junk):
-            assert lab["error_span"] in sandbox.split_sentences(junk)[lab["sentence_index"]]
+            assert lab["error_span"] in textsplit.split_sentences(junk)[lab["sentence_index"]]
     with pytest.raises(data.DataError, match="not a news world document"):
         oracle.oracle_errors(Document("x", "A plain article."), "A summary.")
 
@@ -284,7 +285,7 @@ def test_cli_stats_reports_counts_lengths_and_agreement(tmp_path):
 def test_oracle_is_total_on_any_text(text):
     score = oracle.oracle_fact_score(WORLD[1], text)
     assert 0.0 <= score <= 1.0
-    sentences = sandbox.split_sentences(text)
+    sentences = textsplit.split_sentences(text)
     for lab in oracle.oracle_errors(WORLD[1], text):
         assert tuple(lab) == oracle.LABEL_KEYS and lab["error_span"] in sentences[lab["sentence_index"]]
 

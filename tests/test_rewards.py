@@ -20,6 +20,7 @@ import fenice
 import rewards as R
 import settings
 import sandbox
+import textsplit
 from helpers import DOC, load_config_file
 
 # ---------------------------------------------------------------------------
@@ -282,7 +283,7 @@ def test_lexical_is_the_mean_over_claims_and_names_itself():
     assert R.lexical_factuality(DOC, a + " " + b) == pytest.approx((fa + fb) / 2)
     out = R.score(DOC, a, LEXICAL)
     assert out["factuality_backend"] == R.LEXICAL_NAME == "lexical (model-free approximation)"
-    assert out["claims"][0]["premises"] == [sandbox.split_sentences(DOC)[0]]
+    assert out["claims"][0]["premises"] == [textsplit.split_sentences(DOC)[0]]
 
 
 def test_sentences_without_content_score_zero_and_count():
@@ -320,7 +321,7 @@ def toy_nli(pairs):
     contrast matters."""
     out = []
     for premise, claim in pairs:
-        pw, cw = set(sandbox.words(premise)), set(sandbox.words(claim))
+        pw, cw = set(textsplit.words(premise)), set(textsplit.words(claim))
         if "false" in cw:
             out.append([0.1, 0.2, 0.7])
         elif cw <= pw:
@@ -334,7 +335,7 @@ def toy_nli(pairs):
 def hand_fenice(document, claims, contrast):
     """The reference's aggregation written out: per claim the best of sentence,
     chunk and document premises, rescaled; then the mean."""
-    sents = sandbox.split_sentences(document)
+    sents = textsplit.split_sentences(document)
     chunks = [" ".join(sents[i:i + 5]) for i in range(len(sents) - 4)] if len(sents) >= 5 else [" ".join(sents)]
     premises = sents + (chunks + [document] if len(chunks) > 1 else [])
     per_claim = []
@@ -357,9 +358,9 @@ def test_fenice_aggregation_matches_a_hand_computation(contrast):
                  claim_fn=lambda summaries: [claims[s] for s in summaries])
     out = f.score_batch([(LONG_DOC, s) for s in claims])
     for (s, text), res in zip(claims.items(), out):
-        expected = hand_fenice(LONG_DOC, sandbox.split_sentences(text), contrast)
+        expected = hand_fenice(LONG_DOC, textsplit.split_sentences(text), contrast)
         assert res["score"] == pytest.approx(expected, abs=1e-12), s
-        assert [r["claim"] for r in res["claims"]] == sandbox.split_sentences(text)
+        assert [r["claim"] for r in res["claims"]] == textsplit.split_sentences(text)
     assert out[1]["claims"][0]["level"] == "chunk"
     assert out[0]["claims"][0]["level"] == "sentence"
     # the contrasts differ where a claim is contradicted: (0.1 - 0.2 + 1) / 2 or (0.1 - 0.7 + 1) / 2
@@ -372,7 +373,7 @@ def test_fenice_short_documents_use_sentences_only_and_no_claims_is_zero():
     f = R.Fenice(nli_fn=lambda pairs: (seen.extend(pairs), toy_nli(pairs))[1],
                  claim_fn=lambda summaries: ["" for _ in summaries])
     out = f.score_batch([(doc, "Fact alpha is true."), (doc, ""), (doc, "   ...")])
-    assert {p for p, _ in seen} == set(sandbox.split_sentences(doc))  # no chunk, no document premise
+    assert {p for p, _ in seen} == set(textsplit.split_sentences(doc))  # no chunk, no document premise
     # an extractor that yields nothing: the summary's sentences are the claims
     assert out[0]["claims"][0]["claim"] == "Fact alpha is true." and out[0]["score"] == pytest.approx(0.825)
     assert out[1] == out[2] == {"score": 0.0, "claims": []}  # defined, never NaN
@@ -453,7 +454,7 @@ def test_fenice_end_to_end_with_tiny_random_models(tiny_fenice):
     # the NLI columns follow config.id2label (CONTRADICTION, ENTAILMENT, NEUTRAL here)
     tok = AutoTokenizer.from_pretrained(tiny_fenice.nli_model)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_fenice.nli_model).eval()
-    premise, claim = sandbox.split_sentences(DOC)[0], "Acme reported revenue."
+    premise, claim = textsplit.split_sentences(DOC)[0], "Acme reported revenue."
     with torch.no_grad():
         probs = torch.softmax(model(**tok([premise], [claim], return_tensors="pt")).logits, -1)[0].numpy()
     got = f.nli([(premise, claim)], 256, 8)[0]
@@ -755,7 +756,7 @@ def test_oracle_backend_uses_the_fact_table():
 
 def test_oracle_unit_fact_scores_the_share_of_stated_facts_supported():
     doc = next(iter(newsworld.documents(1, seed=0)))
-    first = sandbox.split_sentences(doc.summary)[0]
+    first = textsplit.split_sentences(doc.summary)[0]
     facts = oracle.stated_facts(doc, first)
     assert facts and all(f["supported"] for f in facts)
     # One stated fact made up: the sentence unit gives the whole sentence 0, the fact unit

@@ -6,6 +6,8 @@ import time
 import pytest
 
 import sandbox as S
+
+import textsplit
 from helpers import DOC
 
 # ---------------------------------------------------------------------------
@@ -39,7 +41,7 @@ from helpers import DOC
     ("e.g. this stays. And this is new.", ["e.g. this stays.", "And this is new."]),
 ])
 def test_split_sentences(text, expected):
-    assert S.split_sentences(text) == expected
+    assert textsplit.split_sentences(text) == expected
 
 
 @pytest.mark.parametrize("run", [".", "!", "?", "…", ".!?"])
@@ -47,19 +49,19 @@ def test_long_terminator_runs_split_in_linear_time(run):
     # 60 dots with no space after them took minutes with the old terminator pattern
     # (exponential backtracking); a sampled policy wrote such a run during RL.
     text = "Acme said " + run * 4000 + "x and then. It rained."
-    assert S.split_sentences(text) == ["Acme said " + run * 4000 + "x and then.", "It rained."]
-    assert S.split_sentences("He said... Then it rained.” Next, Mr. Smith left!! Ok") == [
+    assert textsplit.split_sentences(text) == ["Acme said " + run * 4000 + "x and then.", "It rained."]
+    assert textsplit.split_sentences("He said... Then it rained.” Next, Mr. Smith left!! Ok") == [
         "He said...", "Then it rained.”", "Next, Mr. Smith left!!", "Ok"]
 
 
 def test_sentence_spans_are_offsets():
     text = "  First one.  Second one!\n\nThird"
-    spans = S.sentence_spans(text)
+    spans = textsplit.sentence_spans(text)
     assert [text[a:b] for a, b in spans] == ["First one.", "Second one!", "Third"]
 
 
 def test_words_keeps_numbers_whole():
-    assert S.words("Revenue of $4.2 billion, 3,400 jobs; Acme's CEO") == [
+    assert textsplit.words("Revenue of $4.2 billion, 3,400 jobs; Acme's CEO") == [
         "revenue", "of", "4.2", "billion", "3,400", "jobs", "acme's", "ceo"]
 
 

@@ -14,6 +14,7 @@ import data
 import newsworld
 import oracle
 import sandbox
+import textsplit
 import synth_traces as st
 import traces
 import teachers
@@ -35,11 +36,11 @@ def _cfg(tmp_path, *overrides):
 def test_injection_follows_design_and_results_are_the_sandboxes():
     doc = DOCS[0]
     draft, labels = oracle.draft(doc, random.Random(0), n_errors=2)
-    text, corrections = st.render(sandbox.split_sentences(draft), st.group_labels(labels), lambda s: None,
+    text, corrections = st.render(textsplit.split_sentences(draft), st.group_labels(labels), lambda s: None,
                                   random.Random(0), search_rate=0.0)
     assert "<results>" not in text  # the teacher never writes results: replay inserts them
     for lab in labels:
-        wrong = sandbox.split_sentences(draft)[lab["sentence_index"]]
+        wrong = textsplit.split_sentences(draft)[lab["sentence_index"]]
         assert (f'{wrong}<search>/({lab["regex_key"]})/</search><delete scope="sentence"/> '
                 f'{lab["corrected_clause"]}') in text
     ep = sandbox.replay(doc.text, text)
@@ -48,7 +49,7 @@ def test_injection_follows_design_and_results_are_the_sandboxes():
     for t in ep.turns:
         if t.call and t.call.kind == "search":
             assert t.injected == index.search(t.call.arg).block
-    fixed = sandbox.split_sentences(draft)
+    fixed = textsplit.split_sentences(draft)
     for lab in labels:
         fixed[lab["sentence_index"]] = lab["corrected_clause"]
     assert ep.summary == " ".join(fixed)
@@ -61,7 +62,7 @@ def test_own_sentence_queries_and_evidence_rewrites():
     hits = n = 0
     for doc in DOCS:
         draft, labels = oracle.draft(doc, random.Random(1), n_errors=2)
-        sentences = sandbox.split_sentences(draft)
+        sentences = textsplit.split_sentences(draft)
         text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0),
                                       search_rate=1.0, own=st.own_query,
                                       rewrite=lambda q, c: st.evidence_correction(doc.text, q, c))
@@ -89,7 +90,7 @@ def test_search_only_positive_retrieves_the_support(style):
     rng = random.Random(0)
     n = 0
     for doc in DOCS:
-        for sent in sandbox.split_sentences(doc.summary):
+        for sent in textsplit.split_sentences(doc.summary):
             q = st.support_query(doc.text, sent, style, rng, doc.entities)
             if q is None:
                 continue
@@ -102,7 +103,7 @@ def test_search_only_positive_retrieves_the_support(style):
 
 def test_positives_rate_and_never_at_the_end():
     doc = DOCS[1]
-    sentences = sandbox.split_sentences(doc.summary)
+    sentences = textsplit.split_sentences(doc.summary)
     text, _ = st.render(sentences, {}, lambda s: "Q", random.Random(0), search_rate=1.0)
     assert text.count("<search>Q</search>") == len(sentences) - 1 and text.endswith(sentences[-1])
     counts = [st.render(sentences * 20, {}, lambda s: "Q", random.Random(k), 0.25)[0].count("<search>")
@@ -112,7 +113,7 @@ def test_positives_rate_and_never_at_the_end():
 
 # --- the teacher's JSON ----------------------------------------------------------------
 
-DOC = sandbox.split_sentences(DOCS[2].text)
+DOC = textsplit.split_sentences(DOCS[2].text)
 SUMMARY = "Alpha is here. Beta went there."
 
 
@@ -138,7 +139,7 @@ def test_parse_annotation_rejects_junk_with_a_reason(answer, reason):
 
 
 def test_parse_annotation_accepts_a_valid_label():
-    word = sandbox.words(DOC[0])[0]
+    word = textsplit.words(DOC[0])[0]
     ans = json.dumps({"errors": [{"error_span": "Beta", "corrected_clause": "Gamma went there.",
                                   "regex_key": f"/{word}/", "type": "entity_swap"}]})
     ann = teachers.parse_annotation(ans, DOCS[2].text, SUMMARY)
@@ -163,10 +164,10 @@ def test_judge_answer_needs_cited_spans(answer, ok):
 
 def test_oracle_judge_flags_a_needless_delete():
     doc = DOCS[0]
-    right = sandbox.split_sentences(doc.summary)
+    right = textsplit.split_sentences(doc.summary)
     good = sandbox.replay(doc.text, " ".join(right))
     assert teachers.oracle_judge(doc, good)["score"] == 1.0
-    bad = sandbox.replay(doc.text, f"{right[0]}<search>{sandbox.words(right[0])[0]}</search>"
+    bad = sandbox.replay(doc.text, f"{right[0]}<search>{textsplit.words(right[0])[0]}</search>"
                                    f"<delete scope=\"sentence\"/> {right[0]} " + " ".join(right[1:]))
     verdict = teachers.oracle_judge(doc, bad)
     assert verdict["score"] < 1 and any(e["why"] == "retracted a right sentence" for e in verdict["evidence"])
@@ -397,10 +398,10 @@ class _FlagFirst:
     def annotate_many(self, pairs):
         out = []
         for doc, summary in pairs:
-            sents = sandbox.split_sentences(summary)
+            sents = textsplit.split_sentences(summary)
             labels = []
             if sents and doc.id not in self.seen:
-                first = sandbox.split_sentences(doc.text)[0]
+                first = textsplit.split_sentences(doc.text)[0]
                 labels = [{"error_span": sents[0][:3], "corrected_clause": first, "type": "entity_swap",
                            "regex_key": oracle.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
             self.seen.add(doc.id)

@@ -10,6 +10,7 @@ import newsworld
 import oracle
 import rl
 import sandbox
+import textsplit
 import teacher_episodes as T
 from helpers import post_server
 
@@ -118,7 +119,7 @@ def test_the_oracle_server_answers_as_a_teacher_would():
             cfg = rollout.SamplingConfig(backend="api", api_base=url, api_model="oracle", api_mode=mode)
             [ep] = rollout.rollout_api(docs[:1], 1, cfg, client=client)
             assert [c.kind for c in ep.calls] == ["search"] and ep.calls[0].hits
-            assert ep.summary == " ".join(sandbox.split_sentences(docs[0].summary))
+            assert ep.summary == " ".join(textsplit.split_sentences(docs[0].summary))
         rng = __import__("random").Random(0)
         draft, _ = oracle.draft(docs[1], rng, n_errors=2)
         out = client.post("/chat/completions", {"model": "oracle",
