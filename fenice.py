@@ -3,6 +3,11 @@ document passages by an NLI model, the summary's score the mean claim score.
 
 The models load lazily (torch, transformers) on first use; `build_tiny_fenice`
 writes tiny NLI and claim models for CPU tests. Selected by `reward.factuality=fenice`.
+
+Where this departs from the reference code (github.com/Babelscape/FENICE), each
+stated where it happens: our sentence splitter instead of spaCy's, premises
+truncated instead of claims, no-claim summaries get a defined score, caches
+bounded and keyed by content instead of by batch position.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Rewards: the rule bundle, FENICE, a lexical factuality scorer, tool terms, the
-combined reward and its curriculum (DESIGN.md section 5).
+"""Rewards: the rule bundle, the factuality backends, tool terms, the combined reward
+and its curriculum (DESIGN.md section 5).
 
     R = gate * (w_f * F + w_r * Rules + w_pass * pass) - budget - cap_penalty + w_match * ToolMatch
     pass = F >= tau and every rule reaches its threshold
@@ -9,10 +9,7 @@ The gate and the pass bonus close the reward's holes (a reward must not pay for
 saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
 
 `F` comes from one of five backends, chosen by `RewardConfig.factuality`:
-- "fenice": FENICE (Scire et al. 2024): claims from a seq2seq extractor, NLI of
-  each claim against document sentences, 5-sentence chunks and the whole
-  document, best alignment per claim, mean over claims. Needs torch and two HF
-  models (loaded once, lazily; half precision on a GPU).
+- "fenice": FENICE (`fenice.py`; needs torch and two HF models, loaded lazily).
 - "lexical": a model-free approximation built for the news world's errors: claims
   are the summary's sentences, each scored by its best-supporting document
   sentence on content words, entities and numbers. It is reported as
@@ -30,14 +27,8 @@ Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `suppor
 Every rule is total: any input (empty, huge, binary junk, markup) gets a score
 in [0, 1] and never raises; a summary with no words scores 0 on every rule.
 
-The module imports numpy, `regex` (through sandbox) and the stdlib only; torch
-and transformers are imported inside the FENICE code, so rewards load on a CPU
-machine without vLLM or a GPU.
-
-Where this departs from the FENICE reference code (github.com/Babelscape/FENICE)
-is stated at the place it happens; in short: our sentence splitter instead of
-spaCy's, premises truncated instead of claims, no-claim summaries get a defined
-score, caches bounded and keyed by content instead of by batch position.
+Texts are read by `claims.py`; torch and transformers load only inside FENICE,
+so rewards import on a CPU machine without vLLM or a GPU.
 """
 from __future__ import annotations
 

@@ -26,11 +26,8 @@ Modes (SFT, then rejection-sampled re-SFT, teacher SFT or KTO):
   below `kto.min_emission_ratio` of its value before training (the recipe's
   guard). Log-probs of an episode are summed over its generated ids, scored
   branch-exactly like SFT.
-Before the first step a sample of episodes goes through mask validation
-(`sandbox.check_branches`). Every `eval.every` steps: loss on the eval
-episodes; every `eval.sample_every` steps and at the end: greedy rollouts on
-held-out documents, reporting the share of well-formed tool calls and the final
-summaries' factuality. Checkpoints follow DESIGN.md section 7 (`resume=auto`).
+Held-out evaluation is eval.py's (`eval.greedy_eval`); checkpoints and
+`resume=auto` follow DESIGN.md section 7.
 
 Departures: the loss is the mean over generated tokens of a step (the usual
 SFT normalisation), not per sequence; episodes longer than `data.max_tokens`
