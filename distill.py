@@ -4,44 +4,24 @@
     python distill.py --config configs/distill_tiny.yaml teacher=runs/sft_tiny/final name=distill_sft
     python distill.py --config configs/distill_tiny.yaml target=both kd.weight=0   # CE only
 
-1. The teacher (a trained directory: full weights, or a PEFT adapter on top of
-   the base its adapter_config.json names, `modeling.load_trained`) writes
-   `generate.samples_per_doc` episodes per training document with the tool
-   sandbox in the loop (`rollout.rollout`). `generate.filter` keeps the clean
-   ones (valid tool use, not truncated, a non-empty summary), optionally only
-   those that pass the reward or reach `generate.min_factuality`
-   (`rewards.score_batch`). They are cached in the run directory, so a resumed
-   run trains on the same episodes without sampling again.
-2. Targets (`target`): `summary`, one single-turn episode per teacher episode
-   whose only turn is its final summary (the tool trace hidden, tokenised
-   canonically, `sandbox.Episode.tokenized`); `episode`, the teacher's episodes
-   themselves, trained as their branches like SFT (DESIGN.md section 4); `both`.
-3. The student (a tiny preset built from scratch over the teacher's tokenizer,
-   or an HF id / path) learns them with cross-entropy on every generated token
-   (`sft.sequence_loss`), plus token-level knowledge distillation when student
-   and teacher share a vocabulary: loss = (1 - w) CE + w T^2 KL(p_T || q_T) on
-   the generated positions, p_T and q_T the teacher's and student's softmax at
-   temperature T. With different vocabularies the logits do not correspond: CE
-   only, and the log says so.
-4. `compare`: teacher and student, loaded from their directories, go through
-   `eval.evaluate` on the same held-out documents (the split's eval pool):
-   latency per summary at batch 1 (wall clock of the whole episode, the
-   sandbox answering any tool call), greedy factuality (`eval.factuality`,
-   oracle on the news world), hallucination rate, ROUGE, tool use. Both metric
-   sets and the ratios go to runs/NAME/distill.json. The target on the news
-   world: >= 3x faster at p50, factuality within 2 points.
+1. The teacher (a trained directory, `modeling.load_trained`) writes `generate.samples_per_doc`
+   episodes per training document with the sandbox in the loop, cached in the run directory;
+   `generate.filter` keeps the clean ones, optionally only those that pass the reward or reach
+   `generate.min_factuality`.
+2. Targets (`target`): `summary` (the final summary alone, the tool trace hidden), `episode` (the
+   teacher's episodes, trained as their branches like SFT, DESIGN.md section 4) or `both`.
+3. The student learns them with cross-entropy on every generated token, plus token-level KD when it
+   shares the teacher's vocabulary: loss = (1 - w) CE + w T^2 KL(p_T || q_T); otherwise CE only.
+4. `compare`: teacher and student through `eval.evaluate` on the same held-out documents. The target
+   on the news world: >= 3x faster at p50, factuality within 2 points.
+Outputs in runs/NAME/: config.yaml, metrics.jsonl, teacher_episodes.jsonl, checkpoints (`resume=auto`
+as in sft.py), final/ (the student's weights and tokenizer) and distill.json (the comparison).
 
-Outputs: runs/NAME/ with config.yaml, metrics.jsonl, teacher_episodes.jsonl,
-checkpoints (`resume=auto` continues exactly, as in sft.py), final/ (the full
-student weights and tokenizer) and distill.json.
-
-Departures from the usual recipe (Hinton et al. 2015; MiniLLM/GKD use the
-student's own samples, we use the teacher's): the KL is on the teacher's
-sequences, i.e. sequence-level KD plus token-level KD on the same tokens. For
-the `summary` target the teacher is scored on the summary-only context, a
-context it did not write in (it wrote with tool blocks in between); its
-distribution there is still a soft target for the same tokens. The loss is the
-mean over the step's generated tokens (sft.py's normalisation), KD included.
+Departures from the usual recipe (Hinton et al. 2015; MiniLLM/GKD use the student's own samples):
+- The KL is on the teacher's sequences: sequence-level KD plus token-level KD on the same tokens.
+- For the `summary` target the teacher is scored on the summary-only context, one it did not write in;
+  its distribution there is still a soft target for the same tokens.
+- The loss is the mean over the step's generated tokens (sft.py's normalisation), KD included.
 """
 from __future__ import annotations
 
@@ -176,6 +156,7 @@ def make_targets(episodes: Sequence[sandbox.Episode], target: str, same_vocab: b
 
 
 def clean(ep: sandbox.Episode) -> bool:
+    """Valid tool use, not truncated, a non-empty summary."""
     return bool(ep.summary.strip()) and ep.valid and not ep.flags.get("truncated")
 
 

@@ -5,24 +5,17 @@
     python eval.py --config configs/eval_tiny.yaml --compare runs/sft_tiny/final runs/rl_tiny/final
     python eval.py --config configs/eval_tiny.yaml tools=none name=eval_no_tools   # decode-time ablation
 
-A model is a trained directory (`modeling.load_trained`): full weights (SFT's
-`final/`) or a PEFT adapter on top of the base its adapter_config.json names
-(RL's `final/`). Documents are the `eval` pool of the leak-cluster manifest
-(`data.py split`), in the order of the docs file, the first `n_docs`; the
-`never_touch` pool is evaluated only when `pool=never_touch` is asked for.
-With `--compare A B ...` every directory sees the same documents and seeds.
+A model is a trained directory (`modeling.load_trained`): full weights (SFT's `final/`) or a PEFT
+adapter (RL's `final/`). Documents are the leak-cluster manifest's `eval` pool (`data.py split`;
+`never_touch` only when `pool=never_touch` is asked for); with `--compare A B ...` every directory
+sees the same documents and seeds. Every metric is defined in `evaluate`'s docstring.
 
-Every metric is defined in `evaluate`'s docstring.
+Ablation `tools=no_search | no_delete | none` bans the tags at decode time (`TagBan`): the model is
+unchanged, it just cannot open the banned calls.
 
-Ablation `tools=no_search | no_delete | none` bans the tags at decode time
-(`TagBan`, a `rollout.rollout` logits processor): the model is unchanged, it just
-cannot open the banned calls.
-
-Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR, "metrics": {...}}]
-in the order given, the config, the backends, the documents), report.md (one row per model, a column per metric,
-plus the training curves of runs that have a metrics.jsonl), PNG plots
-(metrics per model, training curves) and samples.html (greedy episodes in the
-spot-check viewer of filter_traces.py).
+Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR, "metrics": {...}}] in the order given, the
+config, the backends, the documents), report.md (a row per model, a column per metric, plus training
+curves), PNG plots and samples.html (greedy episodes in filter_traces.py's spot-check viewer).
 """
 from __future__ import annotations
 

@@ -5,30 +5,20 @@ and its curriculum (DESIGN.md section 5).
     pass = F >= tau and every rule reaches its threshold
     gate = length score * repetition score, 0 for a summary that states nothing
 
-The gate and the pass bonus close the reward's holes (a reward must not pay for
-saying nothing): see `RewardConfig.gate`, and the audit table in the tests.
+The gate and the pass bonus close the reward's holes (a reward must not pay for saying nothing): see
+`RewardConfig.gate`, and the audit table in the tests.
 
-`F` comes from one of five backends, chosen by `RewardConfig.factuality`:
-- "fenice": FENICE (`fenice.py`; needs torch and two HF models, loaded lazily).
-- "lexical": a model-free approximation built for the news world's errors: claims
-  are the summary's sentences, each scored by its best-supporting document
-  sentence on content words, entities and numbers. It is reported as
-  "lexical (model-free approximation)" and is not FENICE.
-- "support" (the default): a model-free scorer for real text: the share of each summary
-  sentence's content words the document holds, times how many adjacent word
-  pairs co-occur there; the worst sentence. Reported as SUPPORT_NAME.
-- "learned": factcheck.py's logistic regression over model-free features,
-  weights from `reward.learned.path`. Reported as LEARNED_NAME.
-- "oracle": the built-in news world's fact table (`oracle.oracle_fact_score`, the share of
-  sentences with no error; `oracle_unit="fact"`: `oracle.oracle_fact_precision`).
+`F` comes from the backend `RewardConfig.factuality` names: "fenice" (`fenice.py`; torch and two HF
+models, loaded lazily), "lexical" (model-free, built for the news world's errors; not FENICE),
+"support" (the default: model-free, for real text), "learned" (factcheck.py's logistic regression,
+weights from `reward.learned.path`) or "oracle" (the news world's fact table). Each is reported under
+its own name (`BACKEND_NAMES`), so an approximation is never reported as FENICE.
 
-Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `support_factuality`, `factuality_batch`,
-`score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
-Every rule is total: any input (empty, huge, binary junk, markup) gets a score
-in [0, 1] and never raises; a summary with no words scores 0 on every rule.
-
-Texts are read by `claims.py`; torch and transformers load only inside FENICE,
-so rewards import on a CPU machine without vLLM or a GPU.
+Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `support_factuality`,
+`factuality_batch`, `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
+Every rule is total: any input (empty, huge, binary junk, markup) gets a score in [0, 1] and never
+raises; a summary with no words scores 0 on every rule. Texts are read by `claims.py`; torch and
+transformers load only inside FENICE, so rewards import on a CPU machine without vLLM or a GPU.
 """
 from __future__ import annotations
 
@@ -402,7 +392,9 @@ def lexical_details(doc: DocInfo, s: SummaryInfo, cfg: RewardConfig) -> tuple[fl
 
 def lexical_factuality(document: Any, summary: Any, cfg: RewardConfig | None = None) -> float:
     """The lexical factuality score in [0, 1] (DESIGN.md section 9): a model-free
-    approximation, reported as "lexical (model-free approximation)"."""
+    approximation, reported as "lexical (model-free approximation)". Claims are the
+    summary's sentences, each scored by its best-supporting document sentence on
+    content words, entities and numbers."""
     cfg = cfg or _DEFAULT_CFG
     return lexical_details(document_info(document, cfg), summary_info(summary, cfg), cfg)[0]
 
@@ -531,7 +523,10 @@ def support_details(document: Any, summary: Any, cfg: SupportConfig | None = Non
 
 
 def support_factuality(document: Any, summary: Any, cfg: SupportConfig | None = None) -> float:
-    """The support factuality score in [0, 1]: model-free, reported as SUPPORT_NAME."""
+    """The support factuality score in [0, 1]: model-free, reported as SUPPORT_NAME.
+    Per summary sentence, the share of its content words the document holds, times the
+    share of adjacent word pairs that co-occur there (to `pair_exponent`); the worst
+    sentence by default."""
     return support_details(document, summary, cfg)[0]
 
 

@@ -1,51 +1,27 @@
 """The tool protocol (version 1): search and delete over one source document.
 
-This module is the single definition of how a summariser's tool calls behave, for
-every stage: synthetic traces, SFT, rollouts, RL and eval. It is pure Python
-(stdlib, `regex`, `rank_bm25`), so anything can import it.
+The single definition of how a summariser's tool calls behave, for every stage (synthetic traces,
+SFT, rollouts, RL, eval); pure Python (stdlib, `regex`, `rank_bm25`), so anything can import it.
 
     python sandbox.py --doc examples/doc.txt --text examples/assistant.txt
 
-replays an assistant output against a document and prints each turn, the tool
-results, the deletions and the final summary.
+replays an assistant output against a document and prints each turn, result, deletion and the summary.
 
-The protocol (DESIGN.md section 2):
-- `<search>QUERY</search>`: `/PATTERN/` or `/PATTERN/i` is a regular expression
-  (the `regex` module, with a hard time limit for the whole call), anything else
-  a BM25 query over the document's sentences. The answer is
-  `<results><0>SENTENCE</0>...</results>`, at most `top_k` sentences (regex hits
-  in document order, BM25 hits by score), the whole block within `result_tokens`
-  as measured by the caller's length function; sentences are shortened with an
-  ellipsis, never dropped. Errors: `<results><error>REASON</error></results>`.
-- `<delete scope="sentence"/>` / `<delete scope="clause"/>` retracts the last
-  sentence / clause of the summary written so far, and the context is pruned.
+The protocol is DESIGN.md section 2: `<search>QUERY</search>` (`/PATTERN/` or `/PATTERN/i` a regex,
+anything else BM25 over the document's sentences) answers `<results><0>SENTENCE</0>...</results>`;
+`<delete scope="sentence"/>` / `<delete scope="clause"/>` retracts the summary's last sentence / clause.
 
 Interpretations this module fixes (where DESIGN.md is silent):
-- A delete cuts the token stream right after the last kept summary character.
-  Everything before the cut stays as it was (earlier tool blocks included). After
-  the cut, text is dropped and tool blocks (calls and their results: the
-  evidence) are re-appended in order, then the delete tag. So the policy never
-  sees the retracted text again, but keeps what it searched for.
-- A sentence delete also drops the whitespace before the retracted sentence, so
-  the cut usually falls on a token boundary of space-prefixed BPE vocabularies.
-  A clause delete keeps the boundary punctuation (`In 2019,` + rewrite).
-- A tool block between two pieces of text acts as a word boundary for the
-  summary ("A.<search>..</results>B." reads "A. B.").
-- Every call counts towards the tool budget, failed ones included. Searches past
-  `max_searches` answer with an error; a delete past `max_deletes` or any call
-  past `max_tool_calls` ends the episode, flagged.
-- Model-written markup that is not a complete tool call (a stray `<results>`, an
-  unclosed `<search>` when the episode ends) is never summary text; it makes the
-  episode invalid.
-- Result sentences and error reasons have `<` and `>` replaced by `‹` and `›`, so
-  a results block can never contain markup other than its own tags.
+- A delete cuts the stream right after the last kept summary character; after the cut, text is
+  dropped and tool blocks (the evidence) are re-appended in order, then the delete tag.
+- A tool block between two pieces of text is a word boundary ("A.<search>..</results>B." is "A. B.").
+- Every call counts towards the tool budget, failed ones included. Searches past `max_searches` get
+  an error; a delete past `max_deletes` or any call past `max_tool_calls` ends the episode, flagged.
+- Markup that is not a complete tool call is never summary text; it makes the episode invalid.
+- Result sentences and error reasons have `<` and `>` replaced by `‹` and `›`.
 
-Token exactness (DESIGN.md section 3) lives in `EpisodeBuilder`: it is driven one
-sampled token at a time by the rollout engine, or by the canonical tokenisation
-of a text-only trace, and tells the caller either to append ids (results) or to
-keep a prefix of the current ids and append new ones (a delete). The resulting
-`Episode` rebuilds every context from its own record, and `Episode.branches`
-turns it into training sequences (DESIGN.md section 4).
+Token exactness (DESIGN.md section 3) lives in `EpisodeBuilder`; `Episode.branches` turns an
+episode into training sequences (DESIGN.md section 4).
 """
 from __future__ import annotations
 
@@ -112,6 +88,7 @@ def whitespace_length(text: str) -> int:
 
 
 def _clean(text: str) -> str:
+    """`<` and `>` as `‹` and `›`, so a results block never holds markup other than its own tags."""
     return text.replace("<", "‹").replace(">", "›")
 
 
@@ -559,7 +536,7 @@ class _Stream:
         """Cut the stream at (seg, char); after the cut keep only the evidence
         (tool calls and results, in order), then the delete tag (segment
         `tag_seg` from `tag_start` to its end, the stopping token's extra text
-        included).
+        included). The policy never sees the retracted text again, but keeps what it searched for.
 
         Returns (ids kept from the old stream, ids appended after them)."""
         k, o = cut
@@ -1056,6 +1033,8 @@ class EpisodeBuilder:
         a, b = sentences[-1]
         c = _clause_cut(summary, a, b) if call.arg == "clause" else None
         if c is None:
+            # A sentence delete also drops the whitespace before the sentence, so the cut usually falls on a
+            # token boundary of space-prefixed BPE vocabularies; a clause cut keeps its punctuation ("In 2019,").
             c = len(summary[:a].rstrip())
         call.deleted = summary[c:].strip()
         cut = self._locate(c, runs)

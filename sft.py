@@ -4,34 +4,23 @@
     python sft.py --config configs/sft_qwen3_4b.yaml      # one GPU: LoRA on a 4-bit base (Unsloth if asked)
     python sft.py --config configs/sft_tiny.yaml mode=rejection init=runs/sft_tiny/final
 
-Every episode is trained as its branches (DESIGN.md section 4): the loss covers
-exactly the generated ids, each once, under the context it was generated in;
-prompt, results and the re-encoded tail after a delete are context only. A
-whole episode is scored in one pass over its tree of branches
-(`rollout.episode_logprobs`), which is also what RL and distillation use, so
-SFT learns exactly the conditionals that rollouts sample.
+Every episode is trained as its branches (DESIGN.md section 4): the loss covers exactly the generated
+ids, each once, under the context it was generated in; prompt, results and the re-encoded tail after
+a delete are context only. Scoring is `rollout.episode_logprobs`, as in RL and distillation, so SFT
+learns exactly the conditionals that rollouts sample.
 
-Modes (SFT, then rejection-sampled re-SFT, teacher SFT or KTO):
+Modes (`mode`):
 - `sft`: the trace corpus (`data.train`).
-- `rejection`: sample `rejection.k` rollouts per training document with the
-  current policy, keep those that pass the reward, add them to the whole base
-  corpus, repeated to make `rejection.mix_ratio` of it (the recipe: 50/50).
-- `teacher`: continued SFT on teacher episodes (`teacher_episodes.py` writes
-  them), starting from `init`: only the valid ones that pass the reward
-  (`teacher.strict`), each bucket of tool use up-sampled to the largest.
-- `kto`: KTO preference refinement on episodes (`kto_loss`): desirable the
-  valid ones that pass the reward, undesirable the rest; the reference is the
-  starting policy; every `eval.sample_every` steps the share of held-out greedy
-  episodes that emit a summary is checked and training stops when it falls
-  below `kto.min_emission_ratio` of its value before training (the recipe's
-  guard). Log-probs of an episode are summed over its generated ids, scored
-  branch-exactly like SFT.
-Held-out evaluation is eval.py's (`eval.greedy_eval`); checkpoints and
-`resume=auto` follow DESIGN.md section 7.
+- `rejection`: rollouts of the current policy that pass the reward, added to the whole base corpus
+  as `rejection.mix_ratio` of it (the recipe: 50/50).
+- `teacher`: continued SFT from `init` on teacher episodes (`teacher_episodes.py`) that pass the reward.
+- `kto`: KTO on episodes (`kto_loss`), desirable those that pass the reward, with the recipe's early
+  stop on held-out summary emission (`kto.min_emission_ratio`).
+Held-out evaluation: eval.py's `eval.greedy_eval`; checkpoints and `resume=auto`: DESIGN.md section 7.
 
-Departures: the loss is the mean over generated tokens of a step (the usual
-SFT normalisation), not per sequence; episodes longer than `data.max_tokens`
-are skipped and counted, never cut (a cut would train a dangling tool call).
+Departures: the loss is the mean over generated tokens of a step (the usual SFT normalisation), not
+per sequence; episodes longer than `data.max_tokens` are skipped and counted, never cut (a cut would
+train a dangling tool call).
 """
 from __future__ import annotations
 

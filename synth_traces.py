@@ -5,44 +5,23 @@
     python synth_traces.py merge out/traces/all.jsonl out/traces/api.shard*of4.jsonl
 
 For each document, `drafter.drafts_per_doc` traces:
-1. Draft a faulty summary: the news world's drafter (labelled errors), or a
-   model through the rollout engine (`hf` on CPU/GPU, `vllm` on a GPU) under
-   one of `drafter.prompts`, adversarial instructions that raise error
-   diversity. The trace itself keeps the standard prompt: the instruction only
-   shapes the draft.
-2. Fact-check it with a teacher (`teachers.py`: an OpenAI-compatible API, a
-   local model, or the news world's oracle) that answers
+1. Draft a faulty summary: the news world's drafter (labelled errors), or a model under one of
+   `drafter.prompts` (adversarial instructions for error diversity; the trace keeps the standard prompt).
+2. Fact-check it with a teacher (`teachers.py`) that answers
    `{"errors": [{"error_span", "corrected_clause", "regex_key"}]}`.
-3. Inject, after each wrong sentence, `<search>/(regex_key)/</search>
-   <delete scope="sentence"/>` and the corrected sentence. The text is run
-   through `sandbox.replay`, so every results block is the sandbox's, live
-   (DESIGN.md section 2), never the teacher's.
-4. Continue: a model drafter writes on from the edited context (its prefix is
-   forced token by token, so the sandbox answers the injected calls exactly as
-   in a rollout); its continuation is fact-checked in turn, up to
-   `drafter.max_rounds` corrections. The news world drafter's continuation is
-   the rest of its draft, whose later errors are corrected the same way.
-Plus search-only positives: after `search_rate` (0.25; 1.0 in the news-world configs) of the correct
-sentences, a search whose top result is the sentence's support, and no delete,
-so the model also learns restraint (the plain recipe: about 25% of correct
-sentences). Optionally a reasoning judge scores each trace, citing spans; the
-filter gates on it.
-
-Output: `Episode` JSONL (`traces.py`: resumable, sharded, merged), one line
-per trace, with its provenance in `ep.meta` (drafter, prompt, annotator, labels,
-the uncorrected draft, teacher cost, trace kind, the judge's score).
+3. Inject, after each wrong sentence, a search, `<delete scope="sentence"/>` and the corrected sentence,
+   replayed through `sandbox.replay`, so every results block is the sandbox's (DESIGN.md section 2).
+4. Continue: the drafter writes on from the edited context, which is fact-checked in turn, up to
+   `drafter.max_rounds` corrections.
+Plus search-only positives after `search_rate` of the correct sentences (the recipe: about 25%), so the
+model also learns restraint. Output: `Episode` JSONL (`traces.py`), provenance in `ep.meta`.
 
 Choices beyond the plain four steps:
-- A correction replaces the whole sentence (`scope="sentence"`, DESIGN.md
-  section 2), so the teacher is asked for the corrected *sentence* in
-  `corrected_clause`.
-- Search-only positives sit in the same trace as the corrections rather than
-  in separate traces: the model sees searches that end in a delete and
-  searches that do not, under the same query syntax. Positives use regex
-  queries by default: if only positives used BM25, the query style would give
-  away whether a delete follows, before the results are seen.
-- For a model drafter, positives are inserted after its continuation was
-  generated (text-only traces are tokenised canonically later).
+- A correction replaces the whole sentence (`scope="sentence"`, DESIGN.md section 2), so the teacher is
+  asked for the corrected *sentence* in `corrected_clause`.
+- Search-only positives sit in the same trace as the corrections and use regex queries by default: if
+  only positives used BM25, the query style would give away whether a delete follows.
+- For a model drafter, positives are inserted after its continuation was generated.
 """
 from __future__ import annotations
 
@@ -135,6 +114,7 @@ class Config:
     limits: dict[str, int] = field(default_factory=dict)  # other sandbox limits (sandbox.Limits names), e.g. top_k
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     annotator: TeacherConfig = field(default_factory=TeacherConfig)
+    # optional reasoning judge: scores each trace, citing spans (filter_traces.py: `judge_min`)
     judge: TeacherConfig = field(default_factory=lambda: TeacherConfig(backend="none"))
 
 
@@ -389,7 +369,8 @@ class ModelDrafter:
         return [Draft(ep.summary, [], self.prompt_id(it)) for it, ep in zip(items, self._generate(items, None))]
 
     def continue_(self, items: Sequence[Item], prefixes: Sequence[str]) -> list[tuple[str, str | None]]:
-        """(continuation text, error) per item: what the drafter wrote after the forced prefix."""
+        """(continuation text, error) per item: what the drafter wrote after the forced prefix.
+        The prefix is forced token by token, so the sandbox answers its injected calls exactly as in a rollout."""
         out = []
         for prefix, ep in zip(prefixes, self._generate(items, prefixes)):
             text = written_text(ep)
