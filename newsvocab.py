@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Callable
 
-from data import seeded_rng
+from data import MONTHS, seeded_rng
 
 WORLD_VERSION = 1  # version of the news world generator (bump when output bytes change)
 
@@ -52,8 +52,6 @@ class When:
     d: int | None = None
 
 
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
 _MONTH_DAYS = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import data
-from data import DataError, Document, seeded_rng
+from data import MONTHS, DataError, Document, seeded_rng
 from newsvocab import (
-    MONTHS, WORLD_VERSION, C, Cast, Ent, Family, Qty, S, Sent, U, When, _F, _Vals, count, money, score, verb, when,
+    WORLD_VERSION, C, Cast, Ent, Family, Qty, S, Sent, U, When, _F, _Vals, count, money, score, verb, when,
 )
 
 

@@ -27,9 +27,9 @@ import numpy as np
 import sandbox
 
 import textsplit
-from data import STOP_WORDS, DataError, Document, seeded_rng
+from data import MONTHS, STOP_WORDS, DataError, Document, seeded_rng
 from newsvocab import (
-    C, CONFLICT, MONTHS, PREDICATES, Qty, Unit, When, _F, _MONTH_DAYS, _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS,
+    C, CONFLICT, PREDICATES, Qty, Unit, When, _F, _MONTH_DAYS, _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS,
     count, money, parse_money, percent, score, when, world_lexicon,
 )
 from newsworld import CONTEXT, FAMILIES, Slot, _ENTITY_ATTRS, _choose_verbs, doc_facts, render
