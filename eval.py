@@ -321,23 +321,30 @@ def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: 
     return eps
 
 
-def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None) -> tuple[dict, list, list, list]:
+def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, rollout.SamplingConfig, TagBan | None]:
+    """What an evaluation decodes under: the sandbox limits, the greedy sampling
+    settings and the decode-time tool ban (None when every tool is allowed)."""
+    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
+    return sandbox.Limits.make(**cfg.limits), greedy, tool_processor(tokenizer, cfg.tools)
+
+
+def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
+                setup: tuple | None = None) -> tuple[dict, list, list, list]:
     """Greedy rollouts of `documents` and their figures, as (figures, episodes,
     scores, oracle errors or None per document): the held-out evaluation that
     sft.py and rl.py log during training, and the first part of `evaluate`.
     `generate(documents)`, if given, makes the episodes instead of the hf rollouts
-    (rl.py: its own sampler, which may be vLLM, under its sampling settings)."""
+    (rl.py: its own sampler, which may be vLLM, under its sampling settings).
+    `setup` is `decoding(tokenizer, cfg)` when the caller already has it."""
     docs = list(documents)
     if not docs:
         raise ValueError("no documents to evaluate")
-    limits = sandbox.Limits.make(**cfg.limits)
-    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                    seed=cfg.seed)
     if generate is not None:
         eps = generate(docs)
     else:
-        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, tool_processor(tokenizer, cfg.tools), None,
-                        "greedy")
+        limits, greedy, ban = setup or decoding(tokenizer, cfg)
+        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban, None, "greedy")
     news = all(getattr(d, "facts", None) for d in docs)
     out: dict[str, float] = {}
     scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
@@ -407,11 +414,9 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     null in eval.json, "n/a" in the report.
     """
     docs = list(documents)
-    out, eps, scores, errors = greedy_eval(model, tokenizer, docs, cfg)
-    limits = sandbox.Limits.make(**cfg.limits)
-    ban = tool_processor(tokenizer, cfg.tools)
-    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                    seed=cfg.seed)
+    setup = decoding(tokenizer, cfg)  # one tool ban (and its mask cache) for every pass below
+    limits, greedy, ban = setup
+    out, eps, scores, errors = greedy_eval(model, tokenizer, docs, cfg, setup=setup)
 
     # -- sampled: pass@k ------------------------------------------------------
     n = cfg.n_samples
