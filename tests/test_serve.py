@@ -1,0 +1,155 @@
+"""serve.py: request checking, the response of a served episode, and a live server
+on 127.0.0.1 under 16 concurrent clients mixing good and bad requests."""
+import http.client
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import newsworld
+import rewards
+import rollout
+import sandbox
+import serve
+import settings
+from helpers import DOC, bpe_tokenizer, save_tiny_policy, script_ids, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 3000
+BAD = [  # (body, expected status, a word the reason must contain)
+    (b"", 400, "empty"),
+    (b"   \n", 400, "empty"),
+    (b"\xff\xfe{\"document\": \"x\"}", 400, "UTF-8"),
+    (b"{\"document\": ", 400, "not JSON"),
+    (b"[1, 2]", 422, "object"),
+    (b"{\"text\": \"Acme said so.\"}", 422, "'text'"),
+    (b"{\"id\": \"a\"}", 422, "missing"),
+    (b"{\"document\": 7}", 422, "string"),
+    (b"{\"document\": \"  \"}", 422, "empty"),
+    (json.dumps({"document": "Acme said so. " * 300}).encode(), 413, "limit"),
+]
+
+
+@pytest.mark.parametrize("body,status,word", BAD)
+def test_bad_requests_get_their_status_and_a_one_line_reason(body, status, word):
+    with pytest.raises(serve.BadRequest) as e:
+        serve.parse_request(body, LIMIT)
+    assert e.value.status == status
+    assert word in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_good_request_gives_its_document_and_id():
+    assert serve.parse_request(json.dumps({"document": "Acme said so.", "id": "r1"}).encode(), LIMIT) == \
+        ("Acme said so.", "r1")
+    assert serve.parse_request("{\"document\": \"Zoë won.\"}".encode(), LIMIT) == ("Zoë won.", None)
+
+
+def test_the_response_shows_each_search_result_and_what_each_delete_retracted():
+    tok = bpe_tokenizer()
+    model = tiny_llama(tok)
+    wrong = "Acme bought Beta for 9 million."
+    written = f"{wrong}<search>Globex</search><delete scope=\"sentence\"/> Acme bought Beta."
+    cfg = rollout.SamplingConfig(temperature=0.0, max_new_tokens=64)
+    (ep,) = rollout.rollout(model, tok, [DOC], 1, cfg, logits_processor=rollout.ScriptedProcessor(
+        {0: script_ids(tok, written)}))
+    score = rewards.score(DOC, ep, rewards.RewardConfig(factuality="lexical"))
+    r = serve.episode_response(DOC, ep, score, tau=0.5)
+    search, delete = r["tool_calls"]
+    index = sandbox.index_for(DOC)
+    assert search["kind"] == "search" and search["query"] == "Globex" and search["results"]
+    assert search["results"] == [index.sentences[i] for i in ep.calls[0].hits]
+    assert delete == {"kind": "delete", "scope": "sentence", "retracted": wrong, "valid": True}
+    assert r["summary"] == ep.summary == "Acme bought Beta."
+    assert r["scores"]["factuality_backend"] == rewards.BACKEND_NAMES["lexical"]
+    assert r["tokens"]["generated"] == sum(len(t.ids) for t in ep.turns) and r["tokens"]["tool_results"] > 0
+    assert r["hallucination"] == bool(r["unsupported_claims"])
+    json.dumps(r, allow_nan=False)
+
+
+def test_flags_become_key_value_overrides_and_the_oracle_is_refused():
+    assert serve.cli_args(["--model", "m", "--port=0", "batch_size=4"]) == ["model=m", "port=0", "batch_size=4"]
+    with pytest.raises(settings.ConfigError, match="--model needs a value"):
+        serve.cli_args(["--model"])
+    with pytest.raises(settings.ConfigError, match="oracle"):
+        settings.load_config(serve.Config, ["reward.factuality=oracle"])
+
+
+def _post(port: int, path: str, body: bytes | None = None) -> tuple[int, dict | str, float]:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST" if body is not None else "GET", path, body=body,
+                     headers={"Content-Type": "application/json"} if body is not None else {})
+        resp = conn.getresponse()
+        raw = resp.read().decode("utf-8")
+    finally:
+        conn.close()
+    kind = resp.getheader("Content-Type", "")
+    return resp.status, (json.loads(raw) if "json" in kind else raw), time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python serve.py` on 127.0.0.1 (any free port) with a tiny policy; the log rotates at 64 KB."""
+    tmp = tmp_path_factory.mktemp("serve")
+    model = save_tiny_policy(tmp / "policy", bpe_tokenizer())
+    log = tmp / "episodes.jsonl"
+    proc = subprocess.Popen([sys.executable, "serve.py", "--model", model, "--port", "0", "max_new_tokens=32",
+                             f"max_document_chars={LIMIT}", f"log={log}", "log_max_mb=0.0625", "log_backups=20",
+                             "torch_threads=1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    port = None
+    while port is None:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"serve.py exited {proc.wait()}:\n{''.join(lines)}")
+        lines.append(line)
+        m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
+        port = m and int(m.group(1))
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
+    yield port, log
+    proc.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM: exit -15
+    assert proc.wait(timeout=30) in (0, -15)
+
+
+def test_200_requests_from_16_clients_each_get_their_answer_and_none_is_lost(server):
+    port, log = server
+    docs = [d.text for d in newsworld.documents(20, seed=3)]
+    jobs = []
+    for i in range(200):
+        if i % 5 == 4:
+            body, status, _ = BAD[(i // 5) % len(BAD)]
+            jobs.append((body, status, None))
+        else:
+            jobs.append((json.dumps({"document": docs[i % len(docs)], "id": f"r{i}"}).encode(), 200, f"r{i}"))
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: _post(port, "/v1/summarize", job[0]), jobs))
+    assert len(answers) == 200
+    good = []
+    for (_, status, rid), (got, body, seconds) in zip(jobs, answers):
+        assert got == status, body
+        if status == 200:
+            assert body["id"] == rid and isinstance(body["summary"], str) and body["tokens"]["generated"] > 0
+            assert set(body["scores"]) >= {"total", "pass", "factuality", "factuality_backend", "rules"}
+            good.append((seconds, body["batch_size"]))
+        else:
+            assert set(body) == {"error"} and "\n" not in body["error"]
+    lat = np.array([s for s, _ in good]) * 1e3
+    print(f"\nserve: {len(good)} summaries, 16 clients: p50 {np.percentile(lat, 50):.0f} ms, "
+          f"p95 {np.percentile(lat, 95):.0f} ms, mean engine batch {np.mean([b for _, b in good]):.1f}")
+    assert max(b for _, b in good) > 1  # concurrent requests shared engine batches
+
+    assert _post(port, "/health")[:2][0] == 200  # still serving after the bad ones
+    metrics = _post(port, "/metrics")[1]
+    assert re.search(r'summarize_requests_total\{status="200"\} 160\.0', metrics)
+    assert sum(float(v) for v in re.findall(r'summarize_requests_total\{status="4\d\d"\} (\S+)', metrics)) == 40
+    logged = [json.loads(line) for p in sorted(log.parent.glob(log.name + "*")) for line in p.open()]
+    assert list(log.parent.glob(log.name + ".*")) and len(logged) == 160  # rotated, none lost
+    assert sorted(r["id"] for r in logged) == sorted(rid for _, s, rid in jobs if s == 200)
