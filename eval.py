@@ -10,6 +10,9 @@ adapter (RL's `final/`). Documents are the leak-cluster manifest's `eval` pool (
 `never_touch` only when `pool=never_touch` is asked for); with `--compare A B ...` every directory
 sees the same documents and seeds. Every metric is defined in `evaluate`'s docstring.
 
+A served policy's episode log (serve.py) is read by `python eval.py --from-log LOG`, the same
+command as `python monitor.py LOG`: rolling pass rate, hallucination flags, tool use and latency.
+
 Ablation `tools=no_search | no_delete | none` bans the tags at decode time (`TagBan`): the model is
 unchanged, it just cannot open the banned calls.
 
@@ -681,6 +684,10 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
 
 
 if __name__ == "__main__":
+    if any(a.partition("=")[0] == "--from-log" for a in sys.argv[1:]):  # a served log: monitor.py's report
+        import monitor
+
+        raise SystemExit(monitor.cli(sys.argv[1:]))
     with settings.config_errors_exit():
         _argv, _compare = split_compare(sys.argv[1:])
         _cfg, _ = settings.parse_args(Config, _argv, flags=("--compare",))

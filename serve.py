@@ -425,21 +425,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
 FLAGS = {"--model": "model", "--backend": "backend", "--port": "port", "--host": "host"}
 
 
-def cli_args(argv: list[str]) -> list[str]:
-    """`--model DIR` (and --backend, --port, --host) as the key=value overrides the config loader reads."""
-    out, it = [], iter(argv)
-    for a in it:
-        name, eq, value = a.partition("=")
-        if name in FLAGS:
-            value = value if eq else next(it, None)
-            if value is None:
-                raise settings.ConfigError(f"{name} needs a value")
-            out.append(f"{FLAGS[name]}={value}")
-        else:
-            out.append(a)
-    return out
-
-
 def main(cfg: Config) -> None:
     import uvicorn
 
@@ -459,5 +444,5 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     with settings.config_errors_exit():
-        _cfg = settings.load_config(Config, cli_args(sys.argv[1:]))
+        _cfg = settings.load_config(Config, settings.flags_as_overrides(sys.argv[1:], FLAGS))
     main(_cfg)

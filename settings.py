@@ -330,6 +330,22 @@ def parse_args(cls: type, argv: list[str] | None = None,
     return _build(cls, flat), present
 
 
+def flags_as_overrides(argv: list[str], flags: dict[str, str]) -> list[str]:
+    """Valued flags (`--model DIR` or `--model=DIR`) as the key=value overrides
+    `parse_args` reads: `flags` maps each flag to its config key."""
+    out, it = [], iter(argv)
+    for a in it:
+        name, eq, value = a.partition("=")
+        if name in flags:
+            value = value if eq else next(it, None)
+            if value is None:
+                raise ConfigError(f"{name} needs a value")
+            out.append(f"{flags[name]}={value}")
+        else:
+            out.append(a)
+    return out
+
+
 @contextmanager
 def config_errors_exit(*also: type[Exception]):
     """For a script's `__main__`: a ConfigError (or one of the bad-input errors

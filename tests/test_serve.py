@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import monitor
 import newsworld
 import rewards
 import rollout
@@ -74,9 +75,10 @@ def test_the_response_shows_each_search_result_and_what_each_delete_retracted():
 
 
 def test_flags_become_key_value_overrides_and_the_oracle_is_refused():
-    assert serve.cli_args(["--model", "m", "--port=0", "batch_size=4"]) == ["model=m", "port=0", "batch_size=4"]
+    assert settings.flags_as_overrides(["--model", "m", "--port=0", "batch_size=4"], serve.FLAGS) == \
+        ["model=m", "port=0", "batch_size=4"]
     with pytest.raises(settings.ConfigError, match="--model needs a value"):
-        serve.cli_args(["--model"])
+        settings.flags_as_overrides(["--model"], serve.FLAGS)
     with pytest.raises(settings.ConfigError, match="oracle"):
         settings.load_config(serve.Config, ["reward.factuality=oracle"])
 
@@ -153,3 +155,47 @@ def test_200_requests_from_16_clients_each_get_their_answer_and_none_is_lost(ser
     logged = [json.loads(line) for p in sorted(log.parent.glob(log.name + "*")) for line in p.open()]
     assert list(log.parent.glob(log.name + ".*")) and len(logged) == 160  # rotated, none lost
     assert sorted(r["id"] for r in logged) == sorted(rid for _, s, rid in jobs if s == 200)
+
+
+def test_the_monitor_reads_every_rotated_file_and_alerts_past_a_threshold(server, tmp_path):
+    """After the 16-client run: monitor.py over the rotated log sees all 160 episodes, oldest first,
+    and exits 1 with an ALERT line once a threshold is crossed (0 when none is)."""
+    _, log = server
+    assert len(monitor.log_files(log)) > 2
+    records, skipped = monitor.read_log(log)
+    assert len(records) == 160 and not skipped
+    assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+    calm = subprocess.run([sys.executable, "eval.py", "--from-log", str(log), f"out={tmp_path / 'a'}", "window=40"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert calm.returncode == 0, calm.stderr
+    assert "No threshold crossed" in calm.stdout and (tmp_path / "a" / "monitor.png").stat().st_size > 10_000
+    report = json.loads((tmp_path / "a" / "monitor.json").read_text())
+    assert [w["n"] for w in report["windows"]] == [40] * 4 and report["episodes"] == 160
+    alarm = subprocess.run([sys.executable, "monitor.py", str(log), f"out={tmp_path / 'b'}", "max_p95_ms=1",
+                            "min_pass=1.0"], cwd=ROOT, capture_output=True, text=True)
+    assert alarm.returncode == 1
+    newest = json.loads((tmp_path / "b" / "monitor.json").read_text())["windows"][-1]
+    assert newest["pass"] < 1.0 and "ALERT: pass" in alarm.stdout and "ALERT: p95_ms" in alarm.stdout
+
+
+def test_the_monitor_skips_a_torn_last_line_quietly_and_reports_any_other_bad_line(tmp_path):
+    log = tmp_path / "episodes.jsonl"
+    rec = {"time": 1.0, "scores": {"pass": True, "factuality": 0.9}, "hallucination": False,
+           "tool_calls": [{"kind": "search", "valid": True}], "latency_ms": 50.0}
+    (tmp_path / "episodes.jsonl.1").write_text(json.dumps(rec) + "\n{oops\n" + json.dumps({**rec, "time": 2.0}) + "\n")
+    log.write_text(json.dumps({**rec, "time": 3.0}) + "\n" + json.dumps(rec)[:20])
+    records, skipped = monitor.read_log(log)
+    assert [r["time"] for r in records] == [1.0, 2.0, 3.0]
+    assert len(skipped) == 1 and skipped[0].startswith(f"{tmp_path / 'episodes.jsonl.1'}:2:")
+    assert monitor.cli([str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_monitor_windows_cover_every_episode_and_the_newest_is_full():
+    eps = [{"time": float(i), "pass": float(i >= 7), "hallucination": 0.0, "factuality": 1.0, "searches": 1.0,
+            "deletes": 0.0, "calls": 1.0, "valid": 1.0, "latency_ms": 10.0 * i} for i in range(10)]
+    wins = monitor.windows(eps, 4)
+    assert [(w["start"], w["end"], w["n"]) for w in wins] == [(0, 3, 4), (4, 7, 4), (6, 9, 4)]
+    assert wins[-1]["pass"] == 0.75
+    assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.8)) == \
+        ["pass 0.75 below min_pass=0.8 (newest 4 episodes)"]
+    assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.7)) == []
