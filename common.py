@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from settings import ConfigError, format_config
+from settings import ConfigError, config_to_dict, format_config
 
 
 # ---------------------------------------------------------------------------
@@ -221,20 +221,84 @@ def git_revision(cwd: str | os.PathLike | None = None) -> str:
 
 
 @dataclasses.dataclass
+class LogConfig:
+    """Where a trainer's step and evaluation figures go besides stdout and metrics.jsonl."""
+    tensorboard: bool = False  # TensorBoard event files in the run directory's tb/ (pip install tensorboard)
+    wandb_project: str = ""  # this W&B project ("" = off; pip install wandb; WANDB_MODE=offline works)
+
+
+def tracker_sinks(cfg: LogConfig, run_dir: Path, name: str, config: dict) -> list:
+    """Optional TensorBoard / W&B writers for a run, each `sink(step, numeric fields)`,
+    with a `.close` attribute. The packages are imported only when asked for. A
+    resumed run continues the same W&B run (its id is kept in the run directory)."""
+    import importlib.util
+
+    sinks = []
+    for wanted, module in ((cfg.tensorboard, "tensorboard"), (cfg.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"log.{'tensorboard' if module == 'tensorboard' else 'wandb_project'} needs the "
+                              f"`{module}` package, which is not installed: pip install {module}")
+    if cfg.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(run_dir / "tb"))
+
+        def to_tensorboard(step: int, fields: dict) -> None:
+            for k, v in fields.items():
+                tb.add_scalar(k, v, step)
+            tb.flush()
+
+        to_tensorboard.close = tb.close
+        sinks.append(to_tensorboard)
+    if cfg.wandb_project:
+        import wandb
+
+        id_file = run_dir / "wandb_id.txt"
+        if not id_file.exists():
+            atomic_write_text(id_file, uuid.uuid4().hex[:12] + "\n")
+        wb = wandb.init(project=cfg.wandb_project, name=name, id=id_file.read_text().strip(), config=config,
+                        dir=str(run_dir), resume="allow")
+
+        def to_wandb(step: int, fields: dict) -> None:
+            wb.log(fields, step=step)
+
+        to_wandb.close = wb.finish
+        sinks.append(to_wandb)
+    return sinks
+
+
+@dataclasses.dataclass
 class Run:
     dir: Path
     metrics: MetricsWriter
+    sinks: list = dataclasses.field(default_factory=list)  # tracker_sinks: TensorBoard, W&B
 
     def log(self, step: int, total: int | None, fields: dict[str, Any], seconds: float) -> str:
-        """Print the step line and append the same fields (plus `time_s`) to metrics.jsonl."""
+        """Print the step line and append the same fields (plus `time_s`) to metrics.jsonl
+        and the trackers."""
         line = format_step(step, total, fields, seconds)
         print(line, flush=True)
         self.metrics.write(step=step, **fields, time_s=seconds)
+        self.track(step, fields)
         return line
+
+    def track(self, step: int, fields: dict[str, Any]) -> None:
+        """The finite numeric fields to the trackers (metrics.jsonl is written by the caller)."""
+        numeric = {k: float(v) for k, v in fields.items()
+                   if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)}
+        for sink in self.sinks:
+            sink(step, numeric)
+
+    def finish(self) -> None:
+        """Close the trackers (flushes TensorBoard, ends the W&B run)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def start_run(cfg: Any) -> Run:
-    """Create `{runs_dir}/{name}/` with config.yaml and git.txt; print the config once.
+    """Create `{runs_dir}/{name}/` with config.yaml and git.txt; print the config once;
+    open the trackers of `cfg.log` (a LogConfig), if the config has one.
 
     An existing run directory is reused (a resumed run appends to metrics.jsonl).
     """
@@ -246,7 +310,9 @@ def start_run(cfg: Any) -> Run:
     save_config(cfg, run_dir / "config.yaml")
     atomic_write_text(run_dir / "git.txt", git_revision() + "\n")
     print(f"run {run_dir}\n{format_config(cfg)}", end="", flush=True)
-    return Run(dir=run_dir, metrics=MetricsWriter(run_dir / "metrics.jsonl"))
+    log = getattr(cfg, "log", None)
+    sinks = tracker_sinks(log, run_dir, name, config_to_dict(cfg)) if isinstance(log, LogConfig) else []
+    return Run(dir=run_dir, metrics=MetricsWriter(run_dir / "metrics.jsonl"), sinks=sinks)
 
 
 # ---------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class Config:
     # the student: a tiny preset (built from scratch over the teacher's tokenizer), an HF id or a path
     student: modeling.ModelConfig = field(default_factory=lambda: modeling.ModelConfig(
         name_or_path="tiny-0.3m", lora=modeling.LoraConfig(enabled=False)))
+    log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     target: Literal["summary", "episode", "both"] = "summary"
     data: DataConfig = field(default_factory=DataConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -120,8 +121,9 @@ class Config:
     def __post_init__(self):
         if not 0.0 <= self.kd.weight <= 1.0 or self.kd.temperature <= 0:
             raise settings.ConfigError("kd.weight must be in [0, 1] and kd.temperature > 0")
-        if min(self.steps, self.batch_episodes, self.grad_accum, self.generate.samples_per_doc) < 1:
-            raise settings.ConfigError("steps, batch_episodes, grad_accum and generate.samples_per_doc must be >= 1")
+        if min(self.steps, self.batch_episodes, self.grad_accum, self.generate.samples_per_doc, self.log_every) < 1:
+            raise settings.ConfigError("steps, batch_episodes, grad_accum, generate.samples_per_doc and log_every "
+                                       "must be >= 1")
 
 
 # ---------------------------------------------------------------------------
@@ -450,8 +452,10 @@ def main(cfg: Config) -> dict:
         print(f"speedup {report['speedup_p50']:.2f}x at p50 ({report['speedup_p95']:.2f}x at p95), factuality "
               f"{report['factuality_delta_points']:+.1f} points ({report['factuality_backend']}) on "
               f"{len(eval_docs)} held-out documents; the target is >= 3x and within 2 points")
+        run.track(step, {f"{name}_{k}": v for name in ("teacher", "student") for k, v in report[name].items()})
     common.atomic_write_text(run.dir / "distill.json", json.dumps(common.jsonable(report, nonfinite="null"),
                                                                    indent=1, allow_nan=False) + "\n")
+    run.finish()
     return report
 
 

@@ -381,8 +381,9 @@ SHOWN = ("loss", "total", "pass", "factuality", "fact_precision", "hallucination
 
 
 def log_eval(run, step: int, figures: dict) -> None:
-    """A training run's held-out figures: all of them to metrics.jsonl, those in SHOWN printed."""
+    """A training run's held-out figures: all of them to metrics.jsonl and the trackers, those in SHOWN printed."""
     run.metrics.write(step=step, **figures)
+    run.track(step, figures)
     shown = {k: v for k, v in figures.items() if k.removeprefix("eval_") in SHOWN}
     print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
 

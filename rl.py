@@ -90,12 +90,6 @@ class EvalConfig:
 
 
 @dataclass
-class LogConfig:
-    tensorboard: bool = False  # also write TensorBoard events to the run directory
-    wandb_project: str = ""  # also log to this W&B project ("" = off)
-
-
-@dataclass
 class PlanConfig:
     model: str = ""  # the planner's model shape: a configs/models/ name or a config.json ("" = model.name_or_path)
     prompt_len: int = 1024  # prompt tokens a rollout starts from (data.max_prompt_tokens when set)
@@ -113,7 +107,7 @@ class Config:
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     plan: PlanConfig = field(default_factory=PlanConfig)
     steps: int = 200  # RL steps (rollout batches)
     prompts_per_step: int = 4  # documents per step
@@ -437,30 +431,6 @@ def make_optimizer(cfg: Config, params):
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def sinks(cfg: Config, run_dir: Path) -> list[Callable[[int, dict], None]]:
-    """Optional TensorBoard / W&B writers: f(step, numeric fields)."""
-    out = []
-    if cfg.log.tensorboard:
-        modeling._require("tensorboard", "log.tensorboard=true", "pip install tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
-
-        tb = SummaryWriter(str(run_dir / "tb"))
-
-        def to_tensorboard(s: int, f: dict) -> None:
-            for k, v in f.items():
-                tb.add_scalar(k, v, s)
-            tb.flush()
-
-        out.append(to_tensorboard)
-    if cfg.log.wandb_project:
-        modeling._require("wandb", "log.wandb_project", "pip install wandb")
-        import wandb
-
-        wandb.init(project=cfg.log.wandb_project, name=cfg.name, config=settings.config_to_dict(cfg), resume="allow")
-        out.append(lambda s, f: wandb.log(f, step=s))
-    return out
-
-
 TEACHER_PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
 
@@ -527,7 +497,6 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         scorer.load_state_dict(state["scorer"])
         print(f"curriculum: tau {scorer.curriculum.tau}")
     samples = common.MetricsWriter(run.dir / "samples.jsonl")
-    extra = sinks(cfg, run.dir)
 
     def sample(documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
         if vllm:
@@ -680,8 +649,6 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         }
         run.log(step, cfg.steps, fields, t3 - t0)
         history.append(fields)
-        for sink in extra:
-            sink(step, {k: v for k, v in fields.items() if math.isfinite(v)})
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0:
             for ep, r in list(zip(eps, results))[:cfg.eval.n_samples]:
                 samples.write(step=step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
@@ -707,6 +674,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
               f"{last['pass']:.3f} (training batches); model saved to {final}")
+    run.finish()
     return {"history": history, "eval": last_eval, "step": step}
 
 

@@ -110,6 +110,7 @@ class Config:
     name: str = "sft"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
     mode: Literal["sft", "rejection", "teacher", "kto"] = "sft"
+    log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     init: str = ""  # start from this directory (a previous run's final/): weights, or an adapter
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -148,6 +149,7 @@ class Config:
     # for the tiny base model's batch); slower on CPUs without them. GPU runs load bf16 weights.
     autocast: Literal["none", "bf16"] = "none"
     torch_threads: int = 0  # CPU threads for torch (0 = its default); 1 when other jobs share the cores
+    log_every: int = 10  # steps between step lines
     save_every: int = 100  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | a checkpoint path
@@ -158,6 +160,8 @@ class Config:
         modeling.check_score_method(self.model.backend, self.score_method)
         if not self.rewrite_weight >= 0:
             raise settings.ConfigError(f"rewrite_weight={self.rewrite_weight}: must be >= 0 (1 is plain SFT)")
+        if self.log_every < 1:
+            raise settings.ConfigError(f"log_every={self.log_every}: must be >= 1")
 
 
 # ---------------------------------------------------------------------------
@@ -660,7 +664,7 @@ def main(cfg: Config) -> dict:
         tok_count += n_tok
         bar.update(1)
         dt = time.perf_counter() - t_last
-        if step % 10 == 0 or step == total_steps:
+        if step % cfg.log_every == 0 or step == total_steps:
             run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
@@ -681,6 +685,7 @@ def main(cfg: Config) -> dict:
     final = common.save_final(model, tok, run.dir / "final")
     history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)
     print(f"model saved to {final}")
+    run.finish()
     return history
 
 

@@ -2,6 +2,7 @@
 tiny models, and a kill at the worst moment of a run."""
 import contextlib
 import functools
+import json
 
 DOC = (
     "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier. "
@@ -174,3 +175,61 @@ def post_server(answer):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{httpd.server_address[1]}/v1", httpd
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows ({key: value}) of the offline W&B run in `run_dir`. wandb writes
+    the LevelDB log format: a 7-byte file header, then 32 KiB blocks of chunks, each
+    with a 7-byte header (crc32, little-endian length, type: 1 full, 2 first, 3 middle,
+    4 last) around a serialised `wandb_internal_pb2.Record`."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted(glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")):  # a resumed run adds one
+        data = open(path, "rb").read()
+        pos, block, record = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+            record += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                rec = pb.Record()
+                rec.ParseFromString(record)
+                record = b""
+                if rec.WhichOneof("record_type") == "history":
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                 for i in rec.history.item})
+    return rows
+
+
+def offline_trackers(monkeypatch):
+    """The LogConfig of a run writing TensorBoard events and an offline W&B run."""
+    import common
+
+    for k, v in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_CONSOLE", "off")):
+        monkeypatch.setenv(k, v)
+    return common.LogConfig(tensorboard=True, wandb_project="tests")
+
+
+def assert_trackers_match_metrics(run_dir, keys=("loss",)) -> None:
+    """TensorBoard's events and the W&B run hold the same `keys` per step as metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import common
+
+    metrics = common.read_metrics(f"{run_dir}/metrics.jsonl")
+    tb = EventAccumulator(f"{run_dir}/tb")
+    tb.Reload()
+    wb = {(r["_step"], k): v for r in wandb_history(run_dir) for k, v in r.items()}
+    for k in keys:
+        want = {r["step"]: r[k] for r in metrics if isinstance(r.get(k), (int, float))}
+        assert want, f"no {k} in metrics.jsonl"
+        got = {e.step: e.value for e in tb.Scalars(k)}
+        assert got.keys() == want.keys() and all(abs(got[s] - v) < 1e-5 * max(1, abs(v)) for s, v in want.items())
+        assert all(abs(wb[(s, k)] - v) < 1e-9 * max(1, abs(v)) for s, v in want.items())

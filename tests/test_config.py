@@ -346,6 +346,18 @@ def test_start_run(tmp_path, capsys):
         {"step": 1, "loss": 0.5, "len": 12, "time_s": 0.25}]
 
 
+def test_a_tracker_whose_package_is_missing_is_a_config_error_naming_the_key(tmp_path, monkeypatch):
+    import importlib.util
+
+    import common
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"log.wandb_project needs the `wandb` package.*pip install wandb"):
+        common.tracker_sinks(common.LogConfig(wandb_project="p"), tmp_path, "n", {})
+    assert common.tracker_sinks(common.LogConfig(), tmp_path, "n", {}) == []  # nothing asked, nothing imported
+
+
 @pytest.mark.parametrize("name", ["", ".", "..", "a/../..", "/abs"])
 def test_start_run_rejects_bad_names(tmp_path, name):
     with pytest.raises(ConfigError):

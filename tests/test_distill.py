@@ -17,7 +17,8 @@ import distill
 import rollout as R
 import sandbox as S
 import sft
-from helpers import DOC, bpe_tokenizer, killed_after_checkpoint, save_tiny_policy, tiny_llama
+from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, killed_after_checkpoint, offline_trackers,
+                     save_tiny_policy, tiny_llama)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = bpe_tokenizer()
@@ -185,9 +186,10 @@ def config(teacher, world, runs_dir, **over):
     return cfg
 
 
-def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path):
-    report = distill.main(config(adapter_teacher, world, tmp_path, target="both"))
+def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path, monkeypatch):
+    report = distill.main(config(adapter_teacher, world, tmp_path, target="both", log=offline_trackers(monkeypatch)))
     run = tmp_path / "t"
+    assert_trackers_match_metrics(run, keys=("loss", "kd", "ce"))
     final = run / "final"
     assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # full weights
     model, tok = modeling.load_trained(str(final))

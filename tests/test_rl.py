@@ -23,7 +23,8 @@ import newsworld
 import rl
 import rollout as R
 import sandbox as S
-from helpers import DOC, bpe_tokenizer, save_tiny_policy, script_ids, tiny_llama
+from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, offline_trackers, save_tiny_policy, script_ids,
+                     tiny_llama)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = bpe_tokenizer()
@@ -434,6 +435,12 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
         cfg.sampling.backend = "vllm"
     rl.main(cfg, reward_fn=tool_reward)
     assert [n for n, _ in checked] == [8, 8] and all(c >= 8 for _, c in checked)  # every rollout, calls included
+
+
+def test_step_figures_reach_tensorboard_and_wandb(policy, docs, tmp_path, monkeypatch):
+    cfg = config(policy, docs, tmp_path, steps=3, save_every=0, log=offline_trackers(monkeypatch))
+    rl.main(cfg, reward_fn=mention_reward)
+    assert_trackers_match_metrics(tmp_path / "t", keys=("reward", "grad_norm", "len"))
 
 
 def test_learns_an_easy_reward_within_a_bounded_number_of_steps(policy, docs, tmp_path):

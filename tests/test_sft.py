@@ -16,7 +16,7 @@ import settings
 import modeling
 import sandbox as S
 import sft
-from helpers import killed_after_checkpoint, newsworld_traces
+from helpers import assert_trackers_match_metrics, killed_after_checkpoint, newsworld_traces, offline_trackers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,6 +223,19 @@ def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_pat
     assert calls(before) <= 0.125  # the untrained model (almost) never calls a tool
     rows = [json.loads(x) for x in open(tmp_path / "t" / "metrics.jsonl")]
     assert any("loss" in r for r in rows) and (tmp_path / "t" / "final" / "config.json").exists()
+
+
+def test_a_resumed_run_continues_its_tensorboard_and_wandb_logs(tiny, traces, tmp_path, monkeypatch):
+    over = dict(epochs=4 * 16 / 100, batch_episodes=16, save_every=2, log_every=1, mask_check=4,
+                log=offline_trackers(monkeypatch),
+                eval=sft.EvalConfig(every=0, n_docs=0))
+    with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
+        sft.main(cfg_for(tiny, traces, tmp_path, **over))
+    sft.main(cfg_for(tiny, traces, tmp_path, **over))
+    run = tmp_path / "t"
+    assert [r["step"] for r in common.read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert_trackers_match_metrics(run, keys=("loss", "grad_norm", "eval_loss"))
+    assert len({p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}) == 1  # one W&B run id
 
 
 @pytest.mark.slow
