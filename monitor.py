@@ -4,7 +4,8 @@
     python eval.py --from-log runs/serve/episodes.jsonl        # the same command
 
 It reads the log and its rotated files (LOG.N ... LOG.1, then LOG: oldest first),
-cuts the episodes into consecutive windows of `window`, and reports per window:
+cuts the episodes into consecutive windows of `window` (counted back from the
+newest, so the newest is whole), and reports per window:
 pass rate (the reward's threshold and every rule), the share of summaries with
 a claim the factuality backend scored unsupported (the hallucination flag),
 factuality, searches and deletes per summary, the valid tool-call rate, and
@@ -105,13 +106,10 @@ def window_figures(eps: list[dict]) -> dict:
 
 
 def windows(eps: list[dict], size: int) -> list[dict]:
-    """Consecutive windows of `size` episodes; the newest holds the last `size` (it may overlap the one before)."""
-    if not eps:
-        return []
-    starts = list(range(0, max(1, len(eps) - size + 1), size))
-    if starts[-1] + size < len(eps):
-        starts.append(len(eps) - size)
-    return [window_figures(eps[s:s + size]) for s in starts]
+    """Consecutive windows of `size` episodes counted back from the newest, so the newest
+    window is always whole; the oldest holds the remainder."""
+    ends = list(range(len(eps), 0, -size))[::-1]
+    return [window_figures(eps[max(0, e - size):e]) for e in ends]
 
 
 def alerts(latest: dict, cfg: Config) -> list[str]:
@@ -152,7 +150,7 @@ def plot(eps: list[dict], cfg: Config, path: Path) -> None:
 
     w = min(cfg.window, len(eps))
     t = np.array([e["time"] for e in eps])
-    x = mdates.date2num(t[w - 1:].astype("datetime64[s]").astype(object))
+    x = mdates.date2num((t[w - 1:] * 1e3).astype("int64").astype("datetime64[ms]"))
 
     def rolling(k: str) -> np.ndarray:
         v = np.array([e[k] for e in eps])
@@ -174,9 +172,10 @@ def plot(eps: list[dict], cfg: Config, path: Path) -> None:
                 ax.axhline(limit, ls="--", color=line.get_color(), lw=1)
         ax.set_ylabel(label)
         ax.legend(fontsize=7, loc="upper left")
-    axes[-1].xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
-    fig.suptitle(f"{cfg.log}: rolling means over {w} episodes")
-    fig.autofmt_xdate()
+    locator = mdates.AutoDateLocator()
+    axes[-1].xaxis.set_major_locator(locator)
+    axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # seconds to months, as the span needs
+    fig.suptitle(f"{cfg.log}: rolling means over {w} episodes (UTC)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -35,11 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import logging
 import logging.handlers
+import re
 import socket
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -420,6 +424,35 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror} (another server there? try --port 0)")
     sock.listen(2048)
     return sock
+
+
+def spawn(args: list[str], cwd: str | Path | None = None) -> tuple[subprocess.Popen, int]:
+    """`python serve.py ARGS` in a child process; returns it and its port once it accepts
+    connections (pass `--port 0` for any free one). Stop it with `.terminate()`."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        m = re.search(r" on http://[^ ]*:(\d+) ", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
+            return proc, int(m.group(1))
+    raise RuntimeError(f"serve.py exited with {proc.wait()} before serving:\n{''.join(seen[-20:])}")
+
+
+def call(port: int, path: str = "/v1/summarize", body: bytes | None = None, host: str = "127.0.0.1",
+         timeout: float = 300) -> tuple[int, dict | str]:
+    """One request to a server (POST when `body` is given): (status, JSON body or text)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET" if body is None else "POST", path, body=body,
+                     headers={} if body is None else {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode("utf-8")
+    finally:
+        conn.close()
+    return resp.status, json.loads(raw) if "json" in resp.getheader("Content-Type", "") else raw
 
 
 FLAGS = {"--model": "model", "--backend": "backend", "--port": "port", "--host": "host"}

@@ -131,6 +131,7 @@ SCRIPT_FOR_PREFIX = {
     "sft_": "sft", "base_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
     "filter_": "filter_traces", "eval_": "eval", "distill_": "distill", "ablation_": "rl",
     "rejection_": "sft", "teacher_sft_": "sft", "kto_": "sft", "teacher_": "teacher_episodes",
+    "monitor": "monitor",
 }
 
 

@@ -1,11 +1,9 @@
 """serve.py: request checking, the response of a served episode, and a live server
 on 127.0.0.1 under 16 concurrent clients mixing good and bad requests."""
-import http.client
 import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,16 +83,8 @@ def test_flags_become_key_value_overrides_and_the_oracle_is_refused():
 
 def _post(port: int, path: str, body: bytes | None = None) -> tuple[int, dict | str, float]:
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request("POST" if body is not None else "GET", path, body=body,
-                     headers={"Content-Type": "application/json"} if body is not None else {})
-        resp = conn.getresponse()
-        raw = resp.read().decode("utf-8")
-    finally:
-        conn.close()
-    kind = resp.getheader("Content-Type", "")
-    return resp.status, (json.loads(raw) if "json" in kind else raw), time.perf_counter() - t0
+    status, answer = serve.call(port, path, body, timeout=120)
+    return status, answer, time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +93,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     model = save_tiny_policy(tmp / "policy", bpe_tokenizer())
     log = tmp / "episodes.jsonl"
-    proc = subprocess.Popen([sys.executable, "serve.py", "--model", model, "--port", "0", "max_new_tokens=32",
-                             f"max_document_chars={LIMIT}", f"log={log}", "log_max_mb=0.0625", "log_backups=20",
-                             "torch_threads=1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    port = None
-    while port is None:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"serve.py exited {proc.wait()}:\n{''.join(lines)}")
-        lines.append(line)
-        m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-        port = m and int(m.group(1))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
+    proc, port = serve.spawn(["--model", model, "--port", "0", "max_new_tokens=32", f"max_document_chars={LIMIT}",
+                              f"log={log}", "log_max_mb=0.0625", "log_backups=20", "torch_threads=1"], cwd=ROOT)
     yield port, log
     proc.terminate()  # uvicorn shuts down gracefully, then re-raises SIGTERM: exit -15
     assert proc.wait(timeout=30) in (0, -15)
@@ -194,8 +173,8 @@ def test_monitor_windows_cover_every_episode_and_the_newest_is_full():
     eps = [{"time": float(i), "pass": float(i >= 7), "hallucination": 0.0, "factuality": 1.0, "searches": 1.0,
             "deletes": 0.0, "calls": 1.0, "valid": 1.0, "latency_ms": 10.0 * i} for i in range(10)]
     wins = monitor.windows(eps, 4)
-    assert [(w["start"], w["end"], w["n"]) for w in wins] == [(0, 3, 4), (4, 7, 4), (6, 9, 4)]
-    assert wins[-1]["pass"] == 0.75
+    assert [(w["start"], w["end"], w["n"]) for w in wins] == [(0, 1, 2), (2, 5, 4), (6, 9, 4)]
+    assert wins[-1]["pass"] == 0.75 and wins[0]["p95_ms"] == 9.5
     assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.8)) == \
         ["pass 0.75 below min_pass=0.8 (newest 4 episodes)"]
     assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.7)) == []
