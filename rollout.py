@@ -4,13 +4,11 @@ Backends, one protocol (`sandbox.EpisodeBuilder` decides every stop, result and
 pruning; the backends only keep their model context equal to the builder's):
 
 - `hf` (reference and CPU path): batched sampling with the KV cache kept across
-  tool calls. Results are appended to their row only; a delete masks the
-  retracted slots of that row and appends the re-encoded tail. All rows advance
-  in lockstep on one cache: a row that needs several ids (results, a pruned
-  tail) gets them in a chunk that the other rows pad with masked slots. Position
-  ids are `cumsum(mask) - 1`, so every row sees exactly its logical context
-  (DESIGN.md section 3). The cache is compacted (masked slots gathered away,
-  exact: RoPE positions are logical) once too much of it is masked, and finished
+  tool calls, in a ragged cache (`_RaggedCache`): row i holds its context in
+  slots [0, len_i), slot = RoPE position, so a results block is appended to its
+  row only and a delete just shortens its row, with no holes to mask or compact.
+  All rows take their next id in one batched step; the rest of a longer chunk
+  (results, a pruned tail) goes in a second forward of those rows only. Finished
   rows leave the batch. Rollouts share their document's prompt: it is prefilled
   once per document and the cache is expanded to G rows.
 - `hf_naive`: the same protocol, re-prefilling every row's whole context after
@@ -53,7 +51,6 @@ class SamplingConfig:
     max_new_tokens: int = 256  # generated tokens per episode, all turns together
     max_context_tokens: int = 4096  # a row whose context would pass this ends, truncated
     batch_size: int = 64  # rows decoded together (documents x group size); larger inputs are chunked
-    compact_waste: float = 0.2  # compact the KV cache when this share of its slots is masked (bench/rollout.py)
     seed: int = 0
     # api backend
     api_base: str = "http://127.0.0.1:8000/v1"
@@ -159,159 +156,148 @@ def stop_ids(tokenizer) -> list[int]:
 class Row:
     index: int  # position of this rollout in the returned list
     builder: sandbox.EpisodeBuilder
-    slots: list[int] = field(default_factory=list)  # cache slot of each context id, in order
     n_gen: int = 0
     contexts: list[list[int]] = field(default_factory=list)  # recorded contexts (tests)
 
 
-def _cache_layers(cache):
-    return cache.layers
+class _RaggedCache:
+    """A KV cache with one length per row: row i holds its context in slots
+    [0, len_i), and slot = RoPE position. A row appends at its own end and a
+    delete truncates it, without touching the other rows: no padding holes, no
+    compaction, and a step writes its new keys in place instead of copying the
+    whole cache (what DynamicCache's concatenation costs every step).
 
+    It speaks the part of transformers' Cache protocol the attention layers use,
+    `update(keys, values, layer_idx) -> (keys, values) to attend`; the engine
+    sets, before each forward, which rows it covers (`rows`, None = all), the
+    slot of each fed id (`write`, (B, W)) and how many slots to read
+    (`kv_len`), and passes its own 4D mask."""
 
-def _select_rows(cache, idx: torch.Tensor) -> None:
-    for layer in _cache_layers(cache):
-        layer.keys = layer.keys.index_select(0, idx)
-        layer.values = layer.values.index_select(0, idx)
+    is_compileable = False
 
+    def __init__(self, n_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.rows: torch.Tensor | None = None
+        self.write: torch.Tensor | None = None
+        self.kv_len = 0
 
-def _gather_slots(cache, gather: torch.Tensor) -> None:
-    """Keep, per row, the cache slots listed in gather (B, L') (exact: RoPE was
-    applied with logical positions, which do not depend on the slots)."""
-    for layer in _cache_layers(cache):
-        b, h, _, d = layer.keys.shape
-        g = gather[:, None, :, None].expand(b, h, gather.shape[1], d)
-        layer.keys = layer.keys.gather(2, g)
-        layer.values = layer.values.gather(2, g)
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
+        bufs = []
+        for store, new in ((self.keys, k), (self.values, v)):
+            buf = store[layer_idx]
+            need = self.kv_len
+            if buf is None or buf.shape[2] < need:  # first use, or a row outgrew the capacity
+                n = new.shape[0] if buf is None else buf.shape[0]
+                grown = new.new_zeros((n, new.shape[1], max(need + 64, int(need * 1.5)), new.shape[3]))
+                if buf is not None:
+                    grown[:, :, :buf.shape[2]] = buf
+                store[layer_idx] = buf = grown
+            rows = self.rows if self.rows is not None else torch.arange(buf.shape[0], device=buf.device)
+            buf[rows[:, None], :, self.write] = new.transpose(1, 2)
+            bufs.append(buf[:, :, :need] if self.rows is None else buf[self.rows, :, :need])
+        return bufs[0], bufs[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+    def select_rows(self, idx: torch.Tensor, repeat: int = 1) -> None:
+        """Keep the rows `idx` (in that order), each repeated `repeat` times."""
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                if buf is not None:
+                    store[i] = buf.index_select(0, idx.repeat_interleave(repeat))
 
 
 class _Batch:
-    """Active rows, their shared cache, the (B, L) slot mask and slot ids."""
+    """Active rows, their ragged cache, their lengths and the ids in their slots."""
 
     def __init__(self, model, pad_id: int, record: bool):
         self.model = model
         self.pad_id = pad_id
         self.record = record
-        self.cache = None
-        self.mask = None  # (B, L) long
-        self.slot_ids = None  # (B, L) long: which id each slot holds (for recorded contexts)
+        self.dev = next(model.parameters()).device
+        self.cache = _RaggedCache(model.config.num_hidden_layers)
+        self.lens: list[int] = []  # context length of each row
+        self.ids = None  # (B, capacity) long: the id in each slot (recorded contexts, tests)
         self.rows: list[Row] = []
         self.logits = None  # (B, V): next-token logits of every row
-        self.forward_tokens = 0  # slots computed, including padding (cost accounting)
+        self.forward_tokens = 0  # positions computed, padding included (cost accounting)
 
     def prefill(self, rows: list[Row], contexts: list[list[int]], expand: int = 1) -> None:
-        """A fresh cache from full contexts (left padded); each context's rows are
-        the next `expand` rows (a group sharing one prompt)."""
-        from transformers import DynamicCache
-
-        dev = next(self.model.parameters()).device
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
-            mask[i, width - len(c):] = 1
-        self.cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids.to(dev), mask.to(dev))
+        """A fresh cache from full contexts; each context's rows are the next `expand`
+        rows (a group sharing one prompt, prefilled once)."""
+        self.cache = _RaggedCache(self.model.config.num_hidden_layers)
+        self.lens = [0] * len(contexts)
+        self.ids = None
+        self.logits = self._forward(None, contexts)
         if expand > 1:
-            self.cache.batch_repeat_interleave(expand)
-            ids, mask, logits = (t.repeat_interleave(expand, 0) for t in (ids, mask, logits))
-        self.mask, self.slot_ids, self.logits, self.rows = mask.to(dev), ids.to(dev), logits, rows
-        for r, m in zip(rows, self.mask):
-            r.slots = m.nonzero().squeeze(-1).tolist()
+            idx = torch.arange(len(contexts), device=self.dev)
+            self.cache.select_rows(idx, expand)
+            self.ids = self.ids.repeat_interleave(expand, 0)
+            self.logits = self.logits.repeat_interleave(expand, 0)
+            self.lens = [n for n in self.lens for _ in range(expand)]
+        self.rows = rows
 
-    def _forward(self, ids: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
-        w = ids.shape[1]
-        pos = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, -w:]
-        out = self.model(input_ids=ids, attention_mask=full_mask, position_ids=pos, past_key_values=self.cache,
-                         use_cache=True)
+    def _forward(self, group: list[int] | None, chunks: list[list[int]]) -> torch.Tensor:
+        """Append `chunks` to the rows `group` (None = every row, in order) and return
+        each row's logits after its last id. Chunks are left aligned and padded to a
+        common width W; a pad id lands in a slot past its row's new length, which no
+        query reads before a real id overwrites it."""
+        n, w = len(chunks), max(len(c) for c in chunks)
+        lens = [self.lens[i] for i in group] if group is not None else self.lens
+        ids = torch.full((n, w), self.pad_id, dtype=torch.long)
+        for r, c in enumerate(chunks):
+            ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+        write = torch.tensor(lens, dtype=torch.long)[:, None] + torch.arange(w)  # (n, W): slot = position
+        kv_len = max(lens) + w
+        cache, dev_write = self.cache, write.to(self.dev)
+        cache.rows = torch.tensor(group, dtype=torch.long, device=self.dev) if group is not None else None
+        cache.write, cache.kv_len = dev_write, kv_len
+        mask = (torch.arange(kv_len, device=self.dev) <= dev_write[:, :, None])[:, None]  # (n, 1, W, kv_len)
+        out = self.model(input_ids=ids.to(self.dev), attention_mask=mask, position_ids=dev_write,
+                         past_key_values=cache, use_cache=True)
         self.forward_tokens += ids.numel()
-        return out.logits[:, -1, :].float()
+        self._note_ids(group, write, ids, kv_len)
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.dev)
+        for r, c in zip(group if group is not None else range(n), chunks):
+            self.lens[r] += len(c)
+        return out.logits[torch.arange(n, device=self.dev), last].float()
+
+    def _note_ids(self, group, write: torch.Tensor, ids: torch.Tensor, kv_len: int) -> None:
+        if self.ids is None:
+            self.ids = torch.full((len(self.lens), kv_len + 64), self.pad_id, dtype=torch.long)
+        elif self.ids.shape[1] < kv_len:
+            grown = torch.full((self.ids.shape[0], kv_len + 256), self.pad_id, dtype=torch.long)
+            grown[:, :self.ids.shape[1]] = self.ids
+            self.ids = grown
+        rows = torch.tensor(group) if group is not None else torch.arange(self.ids.shape[0])
+        self.ids[rows[:, None], write] = ids
 
     def extend(self, pending: list[list[int]]) -> None:
-        """Feed each row its pending ids (>= 1 each).
-
-        Rows that decode one token and rows that take a block (results, a
-        pruned tail) are run as two sub-batches, so a results block costs its
-        own row only; the other rows get masked slots, which cost memory, not
-        compute, until compaction removes them."""
-        single = [i for i, p in enumerate(pending) if len(p) == 1]
+        """Feed each row its pending ids (>= 1 each). Every row's first id goes in
+        one batched decode step; the rest of a longer chunk (results, a pruned
+        tail) goes in a second forward of those rows only, so a results block
+        costs its own row and nobody else a slot."""
+        self.logits = self._forward(None, [p[:1] for p in pending])
         multi = [i for i, p in enumerate(pending) if len(p) > 1]
-        logits = torch.empty_like(self.logits)
-        for group in (multi, single):
-            if group:
-                logits[group] = self._feed_rows(group, [pending[i] for i in group])
-        self.logits = logits
-
-    def _feed_rows(self, group: list[int], chunks: list[list[int]]) -> torch.Tensor:
-        """Append `chunks` (left padded to a common width) to the rows in `group`,
-        computing only those rows; every other row gets masked slots."""
-        dev = self.mask.device
-        b, length = self.mask.shape
-        w = max(len(c) for c in chunks)
-        ids = torch.full((b, w), self.pad_id, dtype=torch.long)
-        m = torch.zeros((b, w), dtype=torch.long)
-        for i, c in zip(group, chunks):
-            ids[i, w - len(c):] = torch.tensor(c, dtype=torch.long)
-            m[i, w - len(c):] = 1
-            self.rows[i].slots.extend(range(length + w - len(c), length + w))
-        ids, m = ids.to(dev), m.to(dev)
-        self.mask = torch.cat([self.mask, m], 1)
-        self.slot_ids = torch.cat([self.slot_ids, ids], 1)
-        if len(group) == b:
-            return self._forward(ids, self.mask)
-        from transformers import DynamicCache
-
-        idx = torch.tensor(group, dtype=torch.long, device=dev)
-        full, sub = self.cache, DynamicCache(config=self.model.config)
-        self.cache = sub
-        for layer_idx, layer in enumerate(full.layers):  # the rows' own cache, as a batch of their own
-            sub.update(layer.keys.index_select(0, idx), layer.values.index_select(0, idx), layer_idx)
-        try:
-            logits = self._forward(ids[idx], self.mask[idx])
-        finally:
-            self.cache = full
-        for layer, new in zip(full.layers, sub.layers):
-            pad = layer.keys.new_zeros(layer.keys.shape[:2] + (w, layer.keys.shape[3]))
-            layer.keys = torch.cat([layer.keys, pad], 2)
-            layer.values = torch.cat([layer.values, pad.clone()], 2)
-            layer.keys[idx, :, length:] = new.keys[:, :, length:]
-            layer.values[idx, :, length:] = new.values[:, :, length:]
-        return logits
+        if multi:
+            self.logits[multi] = self._forward(multi, [pending[i][1:] for i in multi])
 
     def retract(self, i: int, keep: int) -> None:
-        """Row i keeps the first `keep` ids of its context; later slots are masked."""
-        row = self.rows[i]
-        if keep < len(row.slots):
-            self.mask[i, row.slots[keep:]] = 0
-            del row.slots[keep:]
+        """Row i keeps the first `keep` ids of its context: later slots are free again."""
+        self.lens[i] = min(self.lens[i], keep)
 
     def keep_rows(self, keep: list[int]) -> None:
-        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        _select_rows(self.cache, idx)
-        self.mask, self.slot_ids, self.logits = self.mask[idx], self.slot_ids[idx], self.logits[idx]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.dev)
+        self.cache.select_rows(idx)
+        self.ids, self.logits = self.ids[idx.cpu()], self.logits[idx]
         self.rows = [self.rows[i] for i in keep]
-
-    def maybe_compact(self, waste: float) -> None:
-        """Gather away masked slots once they are more than `waste` of the cache."""
-        b, length = self.mask.shape
-        counts = self.mask.sum(1)
-        if length == 0 or 1 - counts.sum().item() / (b * length) <= waste:
-            return
-        new_len = int(counts.max())
-        gather = torch.zeros((b, new_len), dtype=torch.long, device=self.mask.device)
-        new_mask = torch.zeros((b, new_len), dtype=torch.long, device=self.mask.device)
-        for i, row in enumerate(self.rows):
-            n = len(row.slots)
-            gather[i, new_len - n:] = torch.tensor(row.slots, dtype=torch.long)
-            new_mask[i, new_len - n:] = 1
-            row.slots = list(range(new_len - n, new_len))
-        _gather_slots(self.cache, gather)
-        self.slot_ids = self.slot_ids.gather(1, gather)
-        self.mask = new_mask
+        self.lens = [self.lens[i] for i in keep]
 
     def context(self, i: int) -> list[int]:
-        """The ids row i actually conditions on: its unmasked slots."""
-        return self.slot_ids[i, self.rows[i].slots].tolist()
+        """The ids row i actually conditions on: its first len_i slots."""
+        return self.ids[i, :self.lens[i]].tolist()
 
 
 # ---------------------------------------------------------------------------
@@ -391,7 +377,7 @@ def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, logits_
             stop = b.push(t, lp)
             if stop:
                 act = b.end_turn()
-            elif row.n_gen >= cfg.max_new_tokens or len(row.slots) + 1 >= cfg.max_context_tokens:
+            elif row.n_gen >= cfg.max_new_tokens or batch.lens[i] + 1 >= cfg.max_context_tokens:
                 act = b.end_turn("truncated")
             else:
                 pending.append([t])
@@ -399,12 +385,12 @@ def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, logits_
                 continue
             if act.kind == "done":
                 continue
-            if act.kind == "prune" and act.keep <= len(row.slots):
+            if act.kind == "prune" and act.keep <= batch.lens[i]:
                 batch.retract(i, act.keep)
                 feed = act.ids
             else:  # the kept prefix includes the token just sampled (not yet in the cache)
                 feed = [t] + act.ids
-            if row.n_gen >= cfg.max_new_tokens or len(row.slots) + len(feed) >= cfg.max_context_tokens:
+            if row.n_gen >= cfg.max_new_tokens or batch.lens[i] + len(feed) >= cfg.max_context_tokens:
                 b.end_turn("truncated")  # no room left after the tool call
                 continue
             pending.append(feed)
@@ -419,7 +405,6 @@ def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, logits_
             batch.prefill(batch.rows, contexts)
         else:
             batch.extend(pending)
-            batch.maybe_compact(cfg.compact_waste)
         if record:
             for j in events:
                 batch.rows[j].contexts.append(batch.context(j))

@@ -60,8 +60,25 @@ def test_engine_contexts_are_the_episode_contexts(model):
             assert ep.meta["engine_contexts"] == ep.contexts()
 
 
-def test_compaction_every_step_stays_exact(model):
-    assert_same(run(model, "hf", compact_waste=0.0), run(model, "hf_naive"))
+def test_a_delete_frees_its_rows_slots_and_a_results_block_costs_only_its_row(model):
+    """After a prune the row's length is its context's (no masked holes left behind), and
+    the second forward of a step covers only the rows that took a multi-id chunk."""
+    tok_pad = TOK.pad_token_id
+    batch = R._Batch(model, tok_pad, record=True)
+    rows = [R.Row(i, None) for i in range(3)]
+    batch.prefill(rows, [[5, 6, 7], [8, 9]])
+    batch.rows = rows[:2]
+    before = batch.forward_tokens
+    batch.extend([[10], [11, 12, 13, 14]])
+    assert batch.forward_tokens - before == 2 * 1 + 1 * 3  # one decode step, then the block of row 1 alone
+    assert [batch.context(0), batch.context(1)] == [[5, 6, 7, 10], [8, 9, 11, 12, 13, 14]]
+    batch.retract(1, 3)
+    batch.extend([[15], [16, 17]])
+    assert [batch.context(0), batch.context(1)] == [[5, 6, 7, 10, 15], [8, 9, 11, 16, 17]]
+    assert batch.lens == [5, 5]
+    fresh = R._Batch(model, tok_pad, record=True)  # the same contexts prefilled from scratch
+    fresh.prefill(rows[:2], [batch.context(0), batch.context(1)])
+    assert torch.allclose(batch.logits, fresh.logits, atol=1e-5)
 
 
 def test_small_batches_and_many_documents(model):
