@@ -305,7 +305,7 @@ def test_keep_best_makes_final_the_best_evaluated_step_not_the_last(policy, docs
     cfg = config(policy, docs, tmp_path, steps=4, save_every=1, keep_checkpoints=10)
     cfg.data.eval = docs
     cfg.eval = rl.EvalConfig(every=1, n_docs=2, sample_every=0, keep_best="eval_total")
-    rl.main(cfg, reward_fn=mention_reward)
+    rl.main(cfg, reward_fn=spread_reward)  # every step updates, so steps 2 and 4 differ
     run = tmp_path / "t"
     assert json.loads((run / "best.json").read_text()) == {"metric": "eval_total", "value": 0.7, "step": 2}
     final = load_file(str(run / "final" / "model.safetensors"))

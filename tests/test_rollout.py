@@ -311,3 +311,13 @@ def test_api_backend_guards_the_context_too():
 
 
 S_PROMPT = __import__("sandbox").SYSTEM_PROMPT
+
+
+def test_draw_samples_the_distribution_and_never_an_id_of_probability_zero(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]]).repeat(100_000, 1)  # unnormalised, zeros at both ends
+    freq = torch.bincount(R.draw(p, gen), minlength=6).double() / len(p)
+    assert torch.allclose(freq, torch.tensor([0, 0.2, 0, 0.5, 0.3, 0], dtype=torch.float64), atol=0.006)
+    for u in (0.0, 1 - 2 ** -53):  # the ends of torch.rand's range
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
+        assert R.draw(p[:1], gen).item() == (1 if u == 0 else 4)
