@@ -441,24 +441,53 @@ def _branch_list(episodes, tokenizer):
 def _selected_logprobs(model, ids, attention_mask, position_ids, wanted: list[list[int]], targets: list[list[int]],
                        temperature: float) -> list[torch.Tensor]:
     """log p(targets[b][j] | prefix) where the logits come from position
-    wanted[b][j] of row b. Only the positions some row needs go through the
-    output head (`logits_to_keep`): for SFT and RL most of a sequence is
-    prompt, and a (B, T, V) logits tensor would dominate time and memory."""
+    wanted[b][j] of row b. Only the (row, position) pairs some row wants go
+    through the output head: for SFT and RL most of a sequence is prompt, and a
+    (B, T, V) logits tensor would dominate time and memory. (Indexing row by row
+    made each row's backward fill a zero tensor of the whole output: 40% of an
+    SFT step, measured; one gather serves every row.)"""
     dev = ids.device
-    keep = sorted({p for w in wanted for p in w})
-    col = torch.full((ids.shape[1],), -1, dtype=torch.long, device=dev)
-    col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
     t = temperature if temperature > 0 else 1.0
-    # One gather for every row: the (row, position) pairs some row wants, then the
-    # log-softmax over those only. (Indexing row by row made each row's backward
-    # fill a zero tensor of the whole (B, K, V): 40% of an SFT step, measured.)
     rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w], dtype=torch.long, device=dev)
-    cols = col[torch.tensor([p for w in wanted for p in w], dtype=torch.long, device=dev)]
+    pos = torch.tensor([p for w in wanted for p in w], dtype=torch.long, device=dev)
     tg = torch.tensor([x for tgt in targets for x in tgt], dtype=torch.long, device=dev)
-    logp = F.log_softmax(logits[rows, cols].float() / t, dim=-1).gather(-1, tg[:, None])[:, 0]  # (N,)
+    if _head_is_plain(model):  # the decoder, then the head on the wanted pairs only
+        h = model.get_decoder()(input_ids=ids, attention_mask=attention_mask,
+                                position_ids=position_ids).last_hidden_state
+        logits = model.get_output_embeddings()(h[rows, pos])
+    else:  # a model that post-processes its logits: every row at every position some row wants
+        keep = sorted(set(pos.tolist()))
+        col = torch.full((ids.shape[1],), -1, dtype=torch.long, device=dev)
+        col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=torch.tensor(keep, device=dev)).logits[rows, col[pos]]
+    logp = F.log_softmax(logits.float() / t, dim=-1).gather(-1, tg[:, None])[:, 0]  # (N,)
     return list(logp.split([len(w) for w in wanted]))
+
+
+def _head_is_plain(model) -> bool:
+    """Whether the model's logits are its output embeddings applied to its decoder's
+    last hidden state (Llama, Qwen, Mistral; not a model that soft-caps or scales
+    them). Checked once per model on a few positions, and remembered."""
+    known = getattr(model, "_fx_plain_head", None)
+    if known is None:
+        known = False
+        was_training = model.training
+        model.eval()  # dropout would make the two paths differ
+        try:
+            with torch.no_grad():
+                dev = next(model.parameters()).device
+                ids = torch.arange(1, 9, device=dev)[None] % model.config.vocab_size
+                full = model(input_ids=ids).logits
+                h = model.get_decoder()(input_ids=ids).last_hidden_state
+                known = bool(torch.allclose(model.get_output_embeddings()(h).float(), full.float(), atol=1e-4,
+                                            rtol=1e-3))
+        except (AttributeError, NotImplementedError, TypeError):
+            pass
+        finally:
+            model.train(was_training)
+        model._fx_plain_head = known
+    return known
 
 
 def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None, temperature: float = 1.0,

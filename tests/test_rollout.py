@@ -321,3 +321,28 @@ def test_draw_samples_the_distribution_and_never_an_id_of_probability_zero(monke
     for u in (0.0, 1 - 2 ** -53):  # the ends of torch.rand's range
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
         assert R.draw(p[:1], gen).item() == (1 if u == 0 else 4)
+
+
+def test_a_model_that_post_processes_its_logits_is_scored_through_its_own_forward():
+    """Scoring applies the output head to the wanted positions only when that is what the
+    model's forward does; a model that soft-caps its logits is scored through forward."""
+    from transformers import LlamaForCausalLM
+
+    class SoftCapped(LlamaForCausalLM):  # a scale before the cap, as Gemma's and Cohere's heads have
+        def forward(self, *a, **k):
+            out = super().forward(*a, **k)
+            out.logits = 3 * torch.tanh(out.logits)
+            return out
+
+    plain = tiny_llama(TOK, seed=1)
+    capped = SoftCapped(plain.config)
+    capped.load_state_dict(plain.state_dict())
+    eps = run(plain, "hf", docs=DOCS[:2], group=1)
+    for m in (plain, capped):
+        m.train()  # the check runs in eval mode whatever mode the model is in
+        assert R._head_is_plain(m) is (m is plain)
+        got = R.episode_logprobs(m, eps)
+        want = R.episode_logprobs(m, eps, method="branch")  # the reference path: one sequence per branch
+        for a, b in zip(got, want):
+            assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b) if x is not None)
+    assert not torch.allclose(R.episode_logprobs(plain, eps)[0][0], R.episode_logprobs(capped, eps)[0][0])
