@@ -1,16 +1,23 @@
-"""SFT step overhead: our deletion-aware step against a bare forward+backward.
+"""SFT step throughput: our deletion-aware tree step against plain causal-LM steps on the same tokens.
 
-    python bench/sft.py [--preset tiny-1m] [--batch 16] [--reps 5]
+    python bench/sft.py [--preset tiny-1m] [--batch 16] [--reps 5] [--row-tokens 1024]
 
 - `sft_step`: what sft.py does per micro-batch: build each episode's tree of
-  branches, score it (`rollout.episode_logprobs`, output head only where a
-  generated token is predicted), backward.
-- `bare`: a plain causal-LM forward+backward on the same episodes' branches,
-  padded, with HF `labels` masking everything but the generated ids: what a
-  generic SFT trainer would run on these sequences.
-Throughput counts trained (generated) tokens; the ratio is sft_step / bare
-(target >= 0.9). Also: episodes/s of building branches and validating their
-masks. Repetitions interleaved, medians kept. The last line is one JSON object.
+  branches, score it (`rollout.episode_logprobs`: one row per tree, the output
+  head only where a generated token is predicted), backward.
+- `packed_lm`: a plain packed causal-LM step on the same episodes' tokens (each
+  tree's tokens back to back in rows of --row-tokens, causal attention, HF
+  `labels` on the generated ids): what a generic packed SFT trainer runs, the
+  cost of the same model without trees. `ratio_vs_packed_lm` (target >= 0.8).
+- `packed_lm_head_at_targets`: the same rows with the output head applied only
+  at the trained positions (the tightest plain limit; `ratio_vs_packed_lm_tight`).
+- `bare`: every branch padded to its own row, HF `labels` (the unshared limit).
+- `packed_trees_W`: the trees themselves packed first-fit into rows of W tokens
+  with a block-diagonal tree mask (the packing alternative: fewer padded
+  positions, but dense attention grows with W^2 on a CPU; printed to show it).
+Throughput counts trained (generated) tokens. Also: episodes/s of building
+branches and validating their masks. Repetitions interleaved, medians kept. The
+last line is one JSON object, `ratio_vs_packed_lm` last.
 """
 import argparse
 import json
@@ -63,40 +70,119 @@ def bare_step(model, episodes):
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
 
 
+def packed_rows(trees, width):
+    """Each tree's tokens back to back in rows of `width` (a tree never split), with
+    labels on the ids a generated token is predicted from... as a causal LM sees them."""
+    rows, cur = [], []
+    for t in trees:
+        trained = {n for _, _, nodes in t.targets for n in nodes}
+        toks = [(i, i if k in trained else -100) for k, i in enumerate(t.ids)]
+        if cur and len(cur) + len(toks) > width:
+            rows.append(cur)
+            cur = []
+        cur += toks
+    rows.append(cur)
+    n = max(map(len, rows))
+    ids = torch.zeros((len(rows), n), dtype=torch.long)
+    labels = torch.full((len(rows), n), -100)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor([a for a, _ in r])
+        labels[i, :len(r)] = torch.tensor([b for _, b in r])
+    return ids, labels
+
+
+def packed_lm_step(model, ids, labels):
+    model(input_ids=ids, labels=labels).loss.backward()
+
+
+def packed_lm_tight_step(model, ids, labels):
+    h = model.get_decoder()(input_ids=ids).last_hidden_state
+    keep = labels[:, 1:] != -100
+    logits = model.get_output_embeddings()(h[:, :-1][keep])
+    torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:][keep]).backward()
+
+
+def packed_trees_step(model, episodes, trees, width, n_tok):
+    """The trees packed first-fit (largest first) into rows of `width`, one
+    block-diagonal tree mask per row, scored like `rollout._score_trees`."""
+    rows = []
+    for t in sorted(trees, key=lambda t: -len(t.ids)):
+        for r in rows:
+            if sum(len(x.ids) for x in r) + len(t.ids) <= width:
+                r.append(t)
+                break
+        else:
+            rows.append([t])
+    w = max(sum(len(t.ids) for t in r) for r in rows)
+    ids = torch.zeros((len(rows), w), dtype=torch.long)
+    pos = torch.zeros((len(rows), w), dtype=torch.long)
+    allowed = torch.zeros((len(rows), w, w), dtype=torch.bool)
+    wanted, targets = [], []
+    for i, r in enumerate(rows):
+        o, wt, tg = 0, [], []
+        for t in r:
+            n = len(t.ids)
+            ids[i, o:o + n], pos[i, o:o + n] = torch.tensor(t.ids), torch.tensor(t.depth)
+            allowed[i, o:o + n, o:o + n] = rollout._tree_mask(t, n)
+            for _, _, nodes in t.targets:
+                wt += [o + t.parent[k] for k in nodes]
+                tg += [t.ids[k] for k in nodes]
+            o += n
+        allowed[i, range(o, w), range(o, w)] = True
+        wanted.append(wt)
+        targets.append(tg)
+    add = torch.zeros((len(rows), 1, w, w)).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    out = rollout._selected_logprobs(model, ids, add, pos, wanted, targets, 1.0)
+    (-sum(x.sum() for x in out) / n_tok).backward()
+    return len(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-1m")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--row-tokens", type=int, default=1024, help="row width of the packed causal-LM step")
     args = ap.parse_args()
     model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=args.preset,
                                                        lora=modeling.LoraConfig(enabled=False)))
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
-    n_tok = sum(sft.n_generated(e) for e in eps[:args.batch])
-    times = {"sft_step": [], "bare": []}
     batch = eps[:args.batch]
+    n_tok = sum(sft.n_generated(e) for e in batch)
+    trees = rollout._trees(batch, None)
+    ids, labels = packed_rows(trees, args.row_tokens)
+    widths = sorted({max(len(t.ids) for t in trees), 2 * max(len(t.ids) for t in trees), args.row_tokens})
+    steps = {
+        "sft_step": lambda: sft.sequence_loss(model, batch, n_tok).backward(),
+        "packed_lm": lambda: packed_lm_step(model, ids, labels),
+        "packed_lm_head_at_targets": lambda: packed_lm_tight_step(model, ids, labels),
+        "bare": lambda: bare_step(model, batch),
+        **{f"packed_trees_{w}": (lambda w=w: packed_trees_step(model, batch, trees, w, n_tok)) for w in widths},
+    }
+    times = {k: [] for k in steps}
     for _ in range(args.reps):
-        model.zero_grad()
-        t0 = time.perf_counter()
-        sft.sequence_loss(model, batch, n_tok).backward()
-        times["sft_step"].append(time.perf_counter() - t0)
-        model.zero_grad()
-        t0 = time.perf_counter()
-        bare_step(model, batch)
-        times["bare"].append(time.perf_counter() - t0)
+        for k, step in steps.items():
+            model.zero_grad()
+            t0 = time.perf_counter()
+            step()
+            times[k].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     eos = rollout.stop_ids(tok)
     for e in eps:
         sandbox.check_branches(e, e.branches(), tok, eos)
     mask_eps_s = len(eps) / (time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    figures = {
-        "tok_s_sft_step": n_tok / med["sft_step"], "tok_s_bare": n_tok / med["bare"],
-        "overhead_ratio": med["bare"] / med["sft_step"], "trained_tokens_per_step": n_tok,
-        "mask_build_and_check_episodes_s": mask_eps_s,
-    }
+    figures = {f"tok_s_{k}": n_tok / v for k, v in med.items()}
+    figures.update({
+        "trained_tokens_per_step": n_tok, "tree_tokens": sum(len(t.ids) for t in trees),
+        "tree_rows_padded_tokens": len(trees) * max(len(t.ids) for t in trees),
+        "packed_lm_tokens": ids.numel(), "mask_build_and_check_episodes_s": mask_eps_s,
+        "ratio_vs_bare": med["bare"] / med["sft_step"],
+        "ratio_vs_packed_lm_tight": med["packed_lm_head_at_targets"] / med["sft_step"],
+        "ratio_vs_packed_lm": med["packed_lm"] / med["sft_step"],
+    })
     for k, v in figures.items():
-        print(f"{k:34s} {v:12.3f}")
+        print(f"{k:36s} {v:12.3f}")
     print(json.dumps({k: round(v, 3) for k, v in figures.items()}))
 
 
