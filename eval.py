@@ -118,8 +118,13 @@ def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) ->
         labelled = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
         errors = [s["claims"] if labelled else oracle.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
         return [len(e) for e in errors], errors
-    counts = [sum(float(c.get("score", 1.0)) < cfg.claim_tau for c in s.get("claims") or []) for s in scores]
+    counts = [len(unsupported_claims(s, cfg.claim_tau)) for s in scores]
     return counts, [None] * len(counts)
+
+
+def unsupported_claims(score: dict, tau: float) -> list[str]:
+    """The claims of a `rewards.score` result that its backend scored below `tau`."""
+    return [c.get("claim", "") for c in score.get("claims") or [] if float(c.get("score", 1.0)) < tau]
 
 
 def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list[bool]:

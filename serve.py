@@ -159,16 +159,11 @@ def tool_calls(document: str, ep: sandbox.Episode) -> list[dict]:
     return out
 
 
-def unsupported_claims(score: dict, tau: float) -> list[str]:
-    """The claims the factuality backend scored below `tau` (the hallucination flags)."""
-    return [c.get("claim", "") for c in score.get("claims") or [] if float(c.get("score", 1.0)) < tau]
-
-
 def episode_response(document: str, ep: sandbox.Episode, score: dict, tau: float) -> dict:
     """The response body of one served episode (latency and ids are added by the server)."""
     generated = sum(len(t.ids or ()) for t in ep.turns)
     injected = sum(len(t.inj_ids or ()) for t in ep.turns)
-    flagged = unsupported_claims(score, tau)
+    flagged = evaluation.unsupported_claims(score, tau)  # the hallucination flags
     kept = {k: v for k, v in score.items() if k not in ("tool_match", "tool_match_steps", "claims")}
     return common.jsonable({
         "summary": ep.summary,
@@ -298,8 +293,8 @@ class Metrics:
 class Batcher:
     """Collects requests into engine batches; one worker thread owns the engine."""
 
-    def __init__(self, engine: Engine, cfg: Config, metrics: Metrics, log: logging.Logger | None):
-        self.engine, self.cfg, self.metrics, self.log = engine, cfg, metrics, log
+    def __init__(self, engine: Engine, cfg: Config, metrics: Metrics):
+        self.engine, self.cfg, self.metrics = engine, cfg, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="engine")
 
@@ -400,7 +395,7 @@ def make_app(cfg: Config, engine: Engine):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["batcher"] = batcher = Batcher(engine, cfg, metrics, log)
+        state["batcher"] = batcher = Batcher(engine, cfg, metrics)
         task = asyncio.create_task(batcher.run())
         try:
             yield

@@ -3,6 +3,7 @@ on 127.0.0.1 under 16 concurrent clients mixing good and bad requests."""
 import json
 import re
 import subprocess
+import threading
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -178,3 +179,33 @@ def test_monitor_windows_cover_every_episode_and_the_newest_is_full():
     assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.8)) == \
         ["pass 0.75 below min_pass=0.8 (newest 4 episodes)"]
     assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.7)) == []
+
+
+def test_an_engine_failure_answers_500_and_the_server_goes_on(tmp_path):
+    """The server in this process (uvicorn in a thread): a batch whose decoding raises
+    answers its requests 500 with the reason, and the next request is served."""
+    import uvicorn
+
+    cfg = serve.Config(model=save_tiny_policy(tmp_path / "policy", bpe_tokenizer()), log="", max_new_tokens=8)
+    engine = serve.Engine(cfg)
+    real = engine.run
+
+    def run(documents):
+        if any("BOOM" in d for d in documents):
+            raise RuntimeError("CUDA out of memory\nsecond line")
+        return real(documents)
+
+    engine.run = run
+    server = uvicorn.Server(uvicorn.Config(serve.make_app(cfg, engine), log_level="warning"))
+    sock = serve.listening_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        port = sock.getsockname()[1]
+        status, body, _ = _post(port, "/v1/summarize", json.dumps({"document": "BOOM. Acme said so."}).encode())
+        assert status == 500 and body == {"error": "engine error: RuntimeError: CUDA out of memory"}
+        status, body, _ = _post(port, "/v1/summarize", json.dumps({"document": DOC}).encode())
+        assert status == 200 and body["tokens"]["generated"] > 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
