@@ -227,7 +227,7 @@ class _Batch:
         self.dev = next(model.parameters()).device
         self.cache = _RaggedCache(model.config.num_hidden_layers)
         self.lens: list[int] = []  # context length of each row
-        self.ids = None  # (B, capacity) long: the id in each slot (recorded contexts, tests)
+        self.ids = None  # (B, capacity) long: the id in each slot, kept when recording contexts (tests)
         self.rows: list[Row] = []
         self.logits = None  # (B, V): next-token logits of every row
         self.forward_tokens = 0  # positions computed, padding included (cost accounting)
@@ -242,7 +242,7 @@ class _Batch:
         if expand > 1:
             idx = torch.arange(len(contexts), device=self.dev)
             self.cache.select_rows(idx, expand)
-            self.ids = self.ids.repeat_interleave(expand, 0)
+            self.ids = self.ids.repeat_interleave(expand, 0) if self.ids is not None else None
             self.logits = self.logits.repeat_interleave(expand, 0)
             self.lens = [n for n in self.lens for _ in range(expand)]
         self.rows = rows
@@ -266,7 +266,8 @@ class _Batch:
         out = self.model(input_ids=ids.to(self.dev), attention_mask=mask, position_ids=dev_write,
                          past_key_values=cache, use_cache=True)
         self.forward_tokens += ids.numel()
-        self._note_ids(group, write, ids, kv_len)
+        if self.record:
+            self._note_ids(group, write, ids, kv_len)
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.dev)
         for r, c in zip(group if group is not None else range(n), chunks):
             self.lens[r] += len(c)
@@ -299,7 +300,8 @@ class _Batch:
     def keep_rows(self, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.dev)
         self.cache.select_rows(idx)
-        self.ids, self.logits = self.ids[idx.cpu()], self.logits[idx]
+        self.ids = self.ids[idx.cpu()] if self.ids is not None else None
+        self.logits = self.logits[idx]
         self.rows = [self.rows[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
 
