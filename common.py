@@ -226,18 +226,21 @@ class LogConfig:
     tensorboard: bool = False  # TensorBoard event files in the run directory's tb/ (pip install tensorboard)
     wandb_project: str = ""  # this W&B project ("" = off; pip install wandb; WANDB_MODE=offline works)
 
+    def __post_init__(self):  # a missing package fails when the config loads, not after the model has
+        import importlib.util
+
+        for key, wanted, module in (("tensorboard", self.tensorboard, "tensorboard"),
+                                    ("wandb_project", self.wandb_project, "wandb")):
+            if wanted and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"log.{key} needs the `{module}` package, which is not installed: "
+                                  f"pip install {module}")
+
 
 def tracker_sinks(cfg: LogConfig, run_dir: Path, name: str, config: dict) -> list:
     """Optional TensorBoard / W&B writers for a run, each `sink(step, numeric fields)`,
     with a `.close` attribute. The packages are imported only when asked for. A
     resumed run continues the same W&B run (its id is kept in the run directory)."""
-    import importlib.util
-
     sinks = []
-    for wanted, module in ((cfg.tensorboard, "tensorboard"), (cfg.wandb_project, "wandb")):
-        if wanted and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"log.{'tensorboard' if module == 'tensorboard' else 'wandb_project'} needs the "
-                              f"`{module}` package, which is not installed: pip install {module}")
     if cfg.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 

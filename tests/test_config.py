@@ -353,8 +353,10 @@ def test_a_tracker_whose_package_is_missing_is_a_config_error_naming_the_key(tmp
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    import rl
+
     with pytest.raises(ConfigError, match=r"log.wandb_project needs the `wandb` package.*pip install wandb"):
-        common.tracker_sinks(common.LogConfig(wandb_project="p"), tmp_path, "n", {})
+        load_config(rl.Config, ["log.wandb_project=p"])  # at load time, before any model
     assert common.tracker_sinks(common.LogConfig(), tmp_path, "n", {}) == []  # nothing asked, nothing imported
 
 
