@@ -103,8 +103,9 @@ def packed_lm_tight_step(model, ids, labels):
 
 
 def packed_trees_step(model, episodes, trees, width, n_tok):
-    """The trees packed first-fit (largest first) into rows of `width`, one
-    block-diagonal tree mask per row, scored like `rollout._score_trees`."""
+    """The trees packed first-fit (largest first) into rows of `width`, each row
+    one `rollout._Tree` of disjoint tries (so `_tree_mask` makes its mask block
+    diagonal), scored by `rollout._score_trees` itself."""
     rows = []
     for t in sorted(trees, key=lambda t: -len(t.ids)):
         for r in rows:
@@ -113,27 +114,20 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
                 break
         else:
             rows.append([t])
-    w = max(sum(len(t.ids) for t in r) for r in rows)
-    ids = torch.zeros((len(rows), w), dtype=torch.long)
-    pos = torch.zeros((len(rows), w), dtype=torch.long)
-    allowed = torch.zeros((len(rows), w, w), dtype=torch.bool)
-    wanted, targets = [], []
-    for i, r in enumerate(rows):
-        o, wt, tg = 0, [], []
+    merged = []
+    for r in rows:
+        m = rollout._Tree([], [], [], [])
         for t in r:
-            n = len(t.ids)
-            ids[i, o:o + n], pos[i, o:o + n] = torch.tensor(t.ids), torch.tensor(t.depth)
-            allowed[i, o:o + n, o:o + n] = rollout._tree_mask(t, n)
-            for _, _, nodes in t.targets:
-                wt += [o + t.parent[k] for k in nodes]
-                tg += [t.ids[k] for k in nodes]
-            o += n
-        allowed[i, range(o, w), range(o, w)] = True
-        wanted.append(wt)
-        targets.append(tg)
-    add = torch.zeros((len(rows), 1, w, w)).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
-    out = rollout._selected_logprobs(model, ids, add, pos, wanted, targets, 1.0)
-    (-sum(x.sum() for x in out) / n_tok).backward()
+            o = len(m.ids)
+            m.ids += t.ids
+            m.parent += [p + o if p >= 0 else -1 for p in t.parent]
+            m.depth += t.depth
+            m.targets += [(e, ti, [n + o for n in nodes]) for e, ti, nodes in t.targets]
+            m.paths += [[n + o for n in path] for path in t.paths]
+        merged.append(m)
+    out = [[None] * len(ep.turns) for ep in episodes]
+    rollout._score_trees(model, merged, out, 1.0, next(model.parameters()).device)
+    (-sum(x.sum() for turns in out for x in turns if x is not None) / n_tok).backward()
     return len(rows)
 
 
