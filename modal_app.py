@@ -35,15 +35,11 @@ def plan(profile: str, stages: str, sets: list[str]) -> list[str]:
     """The pipeline command a call runs remotely; bad stage or --set names exit naming them."""
     if profile not in pipeline.PROFILES:
         raise SystemExit(f"modal_app: unknown profile {profile!r}; profiles: {sorted(pipeline.PROFILES)}")
-    names = [s.name for s in pipeline.PROFILES[profile]]
-    wanted = [] if stages == "all" else [s for s in stages.split(",") if s]
-    unknown = [s for s in wanted if s not in names]
-    if unknown or (stages != "all" and not wanted):
-        raise SystemExit(f"modal_app: unknown stage(s) {unknown or [stages]}; stages of {profile}: {names} or all")
-    for item in sets:
-        name, _, kv = item.partition(".")
-        if name not in names or "=" not in kv:
-            raise SystemExit(f"modal_app: --set {item!r}: expected STAGE.KEY=VALUE with a stage among {names}")
+    chain = pipeline.PROFILES[profile]
+    wanted = [] if stages == "all" else pipeline.stage_names(stages, chain)
+    if stages != "all" and not wanted:
+        raise SystemExit(f"modal_app: no stage given; stages of {profile}: {[s.name for s in chain]} or all")
+    pipeline.stage_overrides(sets, chain)  # checked here, applied by pipeline.py remotely
     return ["python", "pipeline.py", "--profile", profile, *(["--only", ",".join(wanted)] if wanted else []),
             *(a for item in sets for a in ("--set", item))]
 

@@ -312,6 +312,28 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
     return "\n".join(lines) + "\n", fig
 
 
+def stage_overrides(items: list[str], stages: list[Stage]) -> dict[str, list[str]]:
+    """`--set STAGE.KEY=VALUE` items as {stage: [KEY=VALUE, ...]}; a malformed item or an
+    unknown stage exits naming it and the stages."""
+    names = [s.name for s in stages]
+    extra: dict[str, list[str]] = {}
+    for item in items:
+        name, _, kv = item.partition(".")
+        if "=" not in kv or name not in names:
+            raise SystemExit(f"pipeline: --set {item!r}: expected STAGE.KEY=VALUE with a stage among {names}")
+        extra.setdefault(name, []).append(kv)
+    return extra
+
+
+def stage_names(csv: str, stages: list[Stage]) -> list[str]:
+    """The stage names of a comma-separated `--only` list; an unknown one exits naming it and the stages."""
+    only = [s for s in csv.split(",") if s]
+    unknown = set(only) - {s.name for s in stages}
+    if unknown:
+        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in stages]}")
+    return only
+
+
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
@@ -338,17 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "already the CPU one")
     if args.smoke:
         stages = [smoke_stage(st) for st in stages]
-    extra: dict[str, list[str]] = {}
-    for item in args.set:
-        name, _, kv = item.partition(".")
-        if "=" not in kv or name not in {s.name for s in stages}:
-            raise SystemExit(f"pipeline: --set {item!r}: expected STAGE.KEY=VALUE with a stage among "
-                             f"{[s.name for s in stages]}")
-        extra.setdefault(name, []).append(kv)
-    only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - {s.name for s in stages}
-    if unknown:
-        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in stages]}")
+    extra = stage_overrides(args.set, stages)
+    only = stage_names(args.only, stages)
     if args.dry_run:
         for stage in stages:
             if selected(stage, only, args.full):
