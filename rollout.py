@@ -192,16 +192,16 @@ class _RaggedCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         bufs = []
+        need = self.kv_len
+        rows = self.rows if self.rows is not None else torch.arange(k.shape[0], device=k.device)
         for store, new in ((self.keys, k), (self.values, v)):
             buf = store[layer_idx]
-            need = self.kv_len
             if buf is None or buf.shape[2] < need:  # first use, or a row outgrew the capacity
                 n = new.shape[0] if buf is None else buf.shape[0]
                 grown = new.new_zeros((n, new.shape[1], max(need + 64, int(need * 1.5)), new.shape[3]))
                 if buf is not None:
                     grown[:, :, :buf.shape[2]] = buf
                 store[layer_idx] = buf = grown
-            rows = self.rows if self.rows is not None else torch.arange(buf.shape[0], device=buf.device)
             buf[rows[:, None], :, self.write] = new.transpose(1, 2)
             bufs.append(buf[:, :, :need] if self.rows is None else buf[self.rows, :, :need])
         return bufs[0], bufs[1]
