@@ -10,7 +10,9 @@ pruning; the backends only keep their model context equal to the builder's):
   All rows take their next id in one batched step; the rest of a longer chunk
   (results, a pruned tail) goes in a second forward of those rows only. Finished
   rows leave the batch. Rollouts share their document's prompt: it is prefilled
-  once per document and the cache is expanded to G rows.
+  once per document and kept once per group, each row holding only what it
+  writes after it (the engine's own attention reads the prompt once for the G
+  rows, with grouped KV heads read in place; see "Attention" below).
 - `hf_naive`: the same protocol, re-prefilling every row's whole context after
   any tool event (what calling `generate` again after each call costs). The
   oracle for tests and the baseline of `bench/rollout.py`.
@@ -34,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
@@ -92,12 +95,29 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     else:
         probs = F.softmax(x / temperature, dim=-1)
         if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)
-            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, si, sp)
+            probs = nucleus(probs, top_p)
         tok = draw(probs, generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float, k: int = 256) -> torch.Tensor:
+    """`probs` (B, V), each row summing to 1, with every id outside its nucleus (the
+    smallest set of most probable ids holding >= top_p of the mass) set to 0.
+
+    Sorting a whole row costs: at V = 49k a sort per row was 16% of a SmolLM2
+    rollout. A row whose top `k` ids hold more than top_p already has its nucleus
+    among them (every later id comes after more than top_p of the mass), so those
+    are found with topk; only the other rows are sorted whole."""
+    sp, si = probs.topk(min(k, probs.shape[-1]), dim=-1)  # (B, k), descending
+    whole = (sp.sum(-1) <= top_p).nonzero().flatten().tolist()
+    if whole:
+        full_p, full_i = probs[whole].sort(-1, descending=True)
+        full_p = full_p.masked_fill(full_p.cumsum(-1) - full_p > top_p, 0.0)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0.0)  # keep the smallest prefix with mass >= top_p
+    out = torch.zeros_like(probs).scatter_(-1, si, sp)
+    if whole:
+        out[whole] = torch.zeros_like(full_p).scatter_(-1, full_i, full_p)
+    return out
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -156,6 +176,115 @@ def stop_ids(tokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------------------
+# Attention: grouped KV heads read in place, shared prompts read once
+# ---------------------------------------------------------------------------
+# transformers' sdpa path copies every KV head `n_heads / n_kv_heads` times
+# (repeat_kv) whenever a mask is passed, which the engine and tree scoring always
+# do: on SmolLM2's shapes (9 heads, 3 KV heads) a decode step spent more time in
+# that copy than in attention. torch's CPU SDPA takes `enable_gqa` with any mask
+# and reads each KV head in place (equal outputs, measured). CUDA keeps
+# transformers' path: its fused kernels take no mask with enable_gqa.
+# During a rollout the engine also passes its cache (`ragged=`), whose rows may
+# share their document's prompt (`_RaggedCache.share_prompts`): see
+# `_ragged_attention`.
+
+GQA_ATTENTION = "sdpa_gqa"
+_REGISTERED: set[str] = set()
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+               ragged: "_RaggedCache | None" = None, **kwargs):
+    """transformers' attention-function signature: query (B, H, Q, D), key/value
+    (B, H_kv, K, D), a 4D bool or additive mask; returns ((B, Q, H, D), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if ragged is not None and ragged.pkeys is not None:
+        return _ragged_attention(module, query, key, value, attention_mask, scaling, ragged, **kwargs)
+    if query.device.type != "cpu" or attention_mask is None or key.shape[1] == query.shape[1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ragged_attention(module, query, key, value, attention_mask, scaling, cache: "_RaggedCache", **kwargs):
+    """Attention of rows whose context is their document's shared prompt (`cache.pkeys`,
+    one row per document) followed by their own slots (`key`, `value`: (n, H_kv, T, D)).
+
+    A document's rows are stacked as extra query rows against its prompt, so the
+    prompt's keys and values are read once per group, not once per rollout; the two
+    parts are scored, normalised by one softmax and summed: the same function of the
+    same context as attention over the concatenated keys. The H / H_kv query heads
+    of a KV head are stacked the same way, so no KV head is repeated."""
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the hf engine's shared-prompt attention has no {name}; load the model "
+                                      "with attn_implementation='eager' to decode without it")
+    n, h, w, d = query.shape
+    hkv = key.shape[1]
+    gw = h // hkv * w
+    q = query.reshape(n, hkv, gw, d)  # head j*g + i reads KV head j: rows (i, w) of KV head j
+    grid, inv = cache.grid, cache.inv  # (docs, G) local row indices (n = none), (n,) place of each row in it
+    nd, gm = grid.shape
+    pk, pv = cache.pkeys[module.layer_idx], cache.pvalues[module.layer_idx]  # (all docs, H_kv, P, D)
+    if cache.grid_docs is not None:
+        pk, pv = pk.index_select(0, cache.grid_docs), pv.index_select(0, cache.grid_docs)
+    plen = pk.shape[2]
+
+    def by_doc(x):  # (n, H_kv, gw, E) -> (docs, H_kv, G * gw, E), absent rows zero
+        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])[grid.flatten()]
+        return x.view(nd, gm, hkv, gw, x.shape[-1]).transpose(1, 2).reshape(nd, hkv, gm * gw, x.shape[-1])
+
+    def by_row(x):  # the inverse of by_doc
+        x = x.view(nd, hkv, gm, gw, x.shape[-1]).transpose(1, 2).reshape(nd * gm, hkv, gw, x.shape[-1])
+        return x[inv]
+
+    scale = scaling if scaling is not None else d ** -0.5
+    prompt = by_row(torch.matmul(by_doc(q), pk.transpose(-1, -2))) + cache.prompt_add  # (n, H_kv, gw, P)
+    own = torch.matmul(q, key.transpose(-1, -2))  # (n, H_kv, gw, T)
+    mask = attention_mask if w == 1 else attention_mask.repeat(1, 1, h // hkv, 1)  # (n, 1, gw, T)
+    own = own.masked_fill(~mask, float("-inf"))
+    probs = (torch.cat([prompt, own], -1).float() * scale).softmax(-1).to(value.dtype)
+    out = by_row(torch.matmul(by_doc(probs[..., :plen]), pv)) + torch.matmul(probs[..., plen:], value)
+    return out.view(n, h, w, d).transpose(1, 2).contiguous(), None  # (n, W, H, D)
+
+
+def _register_attention() -> None:
+    if GQA_ATTENTION in _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, _attention)
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
+    _REGISTERED.add(GQA_ATTENTION)
+
+
+@contextmanager
+def grouped_kv_attention(model):
+    """Inside the block, a model loaded with `sdpa` attends through `_attention`
+    (its config is shared by every layer, and a PEFT wrapper's is its base's);
+    any other implementation is left as it is."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        yield model
+        return
+    _register_attention()
+    cfg._attn_implementation = GQA_ATTENTION
+    try:
+        yield model
+    finally:
+        cfg._attn_implementation = "sdpa"
+
+
+def _shares_prompts(model) -> bool:
+    """Whether the engine's attention (`_attention`) runs this model: it then keeps
+    one copy of a group's prompt."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", GQA_ATTENTION)
+
+
+# ---------------------------------------------------------------------------
 # Rows and the batched KV cache
 # ---------------------------------------------------------------------------
 
@@ -175,10 +304,16 @@ class _RaggedCache:
     compaction, and a step writes its new keys in place instead of copying the
     whole cache (what DynamicCache's concatenation costs every step).
 
+    Shared prompts (`share_prompts`, after a group's prompt is prefilled once):
+    the prompt's keys are kept once per document (`pkeys`, `pvalues`) and a
+    row's own slots hold only what follows it, slot j at position base_i + j
+    (base_i: its prompt's length). Decoding then reads a prompt once per group
+    instead of once per rollout (`_ragged_attention`).
+
     It speaks the part of transformers' Cache protocol the attention layers use,
     `update(keys, values, layer_idx) -> (keys, values) to attend`; the engine
     sets, before each forward, which rows it covers (`rows`, None = all), the
-    slot of each fed id (`write`, (B, W)) and how many slots to read
+    slot of each fed id (`slots`, (B, W)) and how many slots to read
     (`kv_len`), and passes its own 4D mask."""
 
     is_compileable = False
@@ -187,8 +322,16 @@ class _RaggedCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.rows: torch.Tensor | None = None
-        self.write: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None
         self.kv_len = 0
+        # shared prompts: per layer (documents, H_kv, P, D); per row its document and prompt length
+        self.pkeys: list[torch.Tensor] | None = None
+        self.pvalues: list[torch.Tensor] | None = None
+        self.doc: list[int] = []
+        self.base: list[int] = []
+        self.doc_add: torch.Tensor | None = None  # (documents, P): 0 on a prompt's slots, -inf past its end
+        # set per forward when prompts are shared (see `arrange`)
+        self.grid = self.inv = self.grid_docs = self.prompt_add = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         bufs = []
@@ -202,7 +345,7 @@ class _RaggedCache:
                 if buf is not None:
                     grown[:, :, :buf.shape[2]] = buf
                 store[layer_idx] = buf = grown
-            buf[rows[:, None], :, self.write] = new.transpose(1, 2)
+            buf[rows[:, None], :, self.slots] = new.transpose(1, 2)
             bufs.append(buf[:, :, :need] if self.rows is None else buf[self.rows, :, :need])
         return bufs[0], bufs[1]
 
@@ -211,10 +354,48 @@ class _RaggedCache:
 
     def select_rows(self, idx: torch.Tensor, repeat: int = 1) -> None:
         """Keep the rows `idx` (in that order), each repeated `repeat` times."""
+        idx = idx.repeat_interleave(repeat)
         for store in (self.keys, self.values):
             for i, buf in enumerate(store):
                 if buf is not None:
-                    store[i] = buf.index_select(0, idx.repeat_interleave(repeat))
+                    store[i] = buf.index_select(0, idx)
+        if self.pkeys is not None:
+            keep = idx.tolist()
+            self.doc, self.base = [self.doc[i] for i in keep], [self.base[i] for i in keep]
+
+    def share_prompts(self, lens: list[int], expand: int) -> None:
+        """After a prefill of one row per document (`lens`: the prompts' lengths):
+        the prompts become the shared part, and each document gets `expand` rows
+        with no slots of their own yet."""
+        p = max(lens)
+        self.pkeys = [k[:, :, :p].contiguous() for k in self.keys]
+        self.pvalues = [v[:, :, :p].contiguous() for v in self.values]
+        self.keys = [k.new_zeros((k.shape[0] * expand, k.shape[1], 64, k.shape[3])) for k in self.keys]
+        self.values = [v.new_zeros((v.shape[0] * expand, v.shape[1], 64, v.shape[3])) for v in self.values]
+        self.doc = [d for d in range(len(lens)) for _ in range(expand)]
+        self.base = [n for n in lens for _ in range(expand)]
+        dev = self.pkeys[0].device
+        self.doc_add = torch.zeros((len(lens), p), device=dev).masked_fill(
+            torch.arange(p, device=dev) >= torch.tensor(lens, device=dev)[:, None], float("-inf"))
+
+    def arrange(self, rows: list[int]) -> None:
+        """Before a forward of the rows `rows` (batch indices), prompts shared: their
+        documents as a grid of local row indices, one line per document."""
+        dev = self.doc_add.device
+        docs = [self.doc[r] for r in rows]
+        lines: dict[int, list[int]] = {}
+        for j, d in enumerate(docs):
+            lines.setdefault(d, []).append(j)
+        gm = max(map(len, lines.values()))
+        grid = torch.full((len(lines), gm), len(rows), dtype=torch.long)
+        inv = torch.empty(len(rows), dtype=torch.long)
+        for a, line in enumerate(lines.values()):
+            grid[a, :len(line)] = torch.tensor(line)
+            inv[torch.tensor(line)] = a * gm + torch.arange(len(line))
+        self.grid, self.inv = grid.to(dev), inv.to(dev)
+        order = list(lines)  # every document, in order: the prompt buffers are read as they are
+        self.grid_docs = None if order == list(range(self.doc_add.shape[0])) else torch.tensor(order, device=dev)
+        self.prompt_add = self.doc_add[torch.tensor(docs, device=dev)][:, None, None]  # (n, 1, 1, P)
 
 
 class _Batch:
@@ -227,21 +408,24 @@ class _Batch:
         self.dev = next(model.parameters()).device
         self.cache = _RaggedCache(model.config.num_hidden_layers)
         self.lens: list[int] = []  # context length of each row
-        self.ids = None  # (B, capacity) long: the id in each slot, kept when recording contexts (tests)
+        self.ids = None  # (B, capacity) long: the id at each position, kept when recording contexts (tests)
         self.rows: list[Row] = []
         self.logits = None  # (B, V): next-token logits of every row
         self.forward_tokens = 0  # positions computed, padding included (cost accounting)
 
     def prefill(self, rows: list[Row], contexts: list[list[int]], expand: int = 1) -> None:
         """A fresh cache from full contexts; each context's rows are the next `expand`
-        rows (a group sharing one prompt, prefilled once)."""
+        rows (a group sharing one prompt, prefilled once and kept once when the
+        engine's attention runs the model)."""
         self.cache = _RaggedCache(self.model.config.num_hidden_layers)
         self.lens = [0] * len(contexts)
         self.ids = None
         self.logits = self._forward(None, contexts)
         if expand > 1:
-            idx = torch.arange(len(contexts), device=self.dev)
-            self.cache.select_rows(idx, expand)
+            if _shares_prompts(self.model):
+                self.cache.share_prompts(self.lens, expand)
+            else:
+                self.cache.select_rows(torch.arange(len(contexts), device=self.dev), expand)
             self.ids = self.ids.repeat_interleave(expand, 0) if self.ids is not None else None
             self.logits = self.logits.repeat_interleave(expand, 0)
             self.lens = [n for n in self.lens for _ in range(expand)]
@@ -253,25 +437,39 @@ class _Batch:
         common width W; a pad id lands in a slot past its row's new length, which no
         query reads before a real id overwrites it."""
         n, w = len(chunks), max(len(c) for c in chunks)
-        lens = [self.lens[i] for i in group] if group is not None else self.lens
+        rows = group if group is not None else list(range(n))
+        cache = self.cache
+        shared = cache.pkeys is not None
+        lens = [self.lens[i] for i in rows]
+        base = [cache.base[i] for i in rows] if shared else [0] * n
         ids = torch.full((n, w), self.pad_id, dtype=torch.long)
         for r, c in enumerate(chunks):
             ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
-        write = torch.tensor(lens, dtype=torch.long)[:, None] + torch.arange(w)  # (n, W): slot = position
-        kv_len = max(lens) + w
-        cache, dev_write = self.cache, write.to(self.dev)
+        write = torch.tensor(lens, dtype=torch.long)[:, None] + torch.arange(w)  # (n, W): RoPE positions
+        slots = (write - torch.tensor(base, dtype=torch.long)[:, None]).to(self.dev)  # (n, W): the row's own slots
+        kv_len = max(a - b for a, b in zip(lens, base)) + w
         cache.rows = torch.tensor(group, dtype=torch.long, device=self.dev) if group is not None else None
-        cache.write, cache.kv_len = dev_write, kv_len
-        mask = (torch.arange(kv_len, device=self.dev) <= dev_write[:, :, None])[:, None]  # (n, 1, W, kv_len)
-        out = self.model(input_ids=ids.to(self.dev), attention_mask=mask, position_ids=dev_write,
-                         past_key_values=cache, use_cache=True)
+        cache.slots, cache.kv_len = slots, kv_len
+        mask = (torch.arange(kv_len, device=self.dev) <= slots[:, :, None])[:, None]  # (n, 1, W, kv_len)
+        extra = {}
+        if shared:
+            cache.arrange(rows)
+            extra["ragged"] = cache
+        # the output head runs only where some row's next id is read: a prompt's or a
+        # results block's logits at every position would cost a (n, W, V) product
+        last = [len(c) - 1 for c in chunks]
+        keep = sorted(set(last))
+        with grouped_kv_attention(self.model):
+            out = self.model(input_ids=ids.to(self.dev), attention_mask=mask, position_ids=write.to(self.dev),
+                             past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.dev),
+                             **extra)
         self.forward_tokens += ids.numel()
         if self.record:
-            self._note_ids(group, write, ids, kv_len)
-        last = torch.tensor([len(c) - 1 for c in chunks], device=self.dev)
-        for r, c in zip(group if group is not None else range(n), chunks):
+            self._note_ids(group, write, ids, max(lens) + w)
+        for r, c in zip(rows, chunks):
             self.lens[r] += len(c)
-        return out.logits[torch.arange(n, device=self.dev), last].float()
+        col = torch.tensor([keep.index(x) for x in last], device=self.dev)
+        return out.logits[torch.arange(n, device=self.dev), col].float()  # (n, V)
 
     def _note_ids(self, group, write: torch.Tensor, ids: torch.Tensor, kv_len: int) -> None:
         if self.ids is None:
@@ -294,7 +492,11 @@ class _Batch:
             self.logits[multi] = self._forward(multi, [pending[i][1:] for i in multi])
 
     def retract(self, i: int, keep: int) -> None:
-        """Row i keeps the first `keep` ids of its context: later slots are free again."""
+        """Row i keeps the first `keep` ids of its context: later slots are free again.
+        A delete retracts summary text only, never the prompt a row may share."""
+        if self.cache.pkeys is not None and keep < self.cache.base[i]:
+            raise AssertionError(f"row {i}: a prune to {keep} ids would cut its shared prompt "
+                                 f"({self.cache.base[i]} ids)")
         self.lens[i] = min(self.lens[i], keep)
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -508,11 +710,12 @@ def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None,
     dev = next(model.parameters()).device
     out: list[list[torch.Tensor | None]] = [[None] * len(ep.turns) for ep in episodes]
     items = _branch_list(episodes, tokenizer) if method == "branch" else _trees(episodes, tokenizer)
-    for chunk in _chunks(items, max_batch_tokens, method):
-        if method == "branch":
-            _score_branches(model, chunk, out, temperature, dev)
-        else:
-            _score_trees(model, chunk, out, temperature, dev)
+    with grouped_kv_attention(model):
+        for chunk in _chunks(items, max_batch_tokens, method):
+            if method == "branch":
+                _score_branches(model, chunk, out, temperature, dev)
+            else:
+                _score_trees(model, chunk, out, temperature, dev)
     return out
 
 

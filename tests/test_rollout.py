@@ -168,6 +168,59 @@ def test_sample_top_p_keeps_the_nucleus():
     assert tok.item() == 0 and abs(lp.item() - torch.log_softmax(logits, -1)[0, 0].item()) < 1e-6
 
 
+
+def test_grouped_kv_attention_equals_transformers_sdpa_and_is_restored(model):
+    """The engine's and the scorer's attention (KV heads read in place) against
+    transformers' own sdpa path (KV heads repeated), with a 4D tree-like mask."""
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the helper model has GQA
+    ids = torch.tensor([TOK.encode(DOC[:200])[:40]] * 2)
+    t = ids.shape[1]
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    mask[20:, 10:20] = False  # a second branch that does not see a retracted span
+    mask = mask[None, None].expand(2, 1, t, t)
+    pos = torch.arange(t)[None].expand(2, t)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        with R.grouped_kv_attention(model):
+            assert model.config._attn_implementation == R.GQA_ATTENTION
+            got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_groups_keep_one_copy_of_their_prompt(model):
+    """A prefill expanded to G rows keeps the prompt once per document; the rows'
+    own slots hold only what they write after it."""
+    batch = R._Batch(model, TOK.pad_token_id, record=False)
+    prompts = [TOK.encode(DOC)[:50], TOK.encode(DOC)[:30]]
+    batch.prefill([R.Row(i, None) for i in range(6)], prompts, expand=3)
+    cache = batch.cache
+    assert cache.pkeys[0].shape[0] == 2 and cache.pkeys[0].shape[2] == 50
+    assert cache.base == [50, 50, 50, 30, 30, 30] and batch.lens == cache.base
+    batch.extend([[7]] * 6)
+    assert batch.lens == [51, 51, 51, 31, 31, 31] and cache.kv_len == 1
+    with pytest.raises(AssertionError, match="shared prompt"):
+        batch.retract(3, 29)
+
+
+def _nucleus_by_full_sort(probs, top_p):
+    sp, si = probs.sort(-1, descending=True)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp > top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, si, sp)
+
+
+@pytest.mark.parametrize("k", [1, 3, 256])
+def test_nucleus_equals_a_full_sort_whether_or_not_the_top_k_hold_it(k):
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(6, 500, generator=g) * 8  # a few ids hold the mass: the top k suffice
+    flat = torch.randn(6, 500, generator=g) * 0.1  # the nucleus is hundreds of ids wide: rows sorted whole
+    probs = torch.cat([peaked, flat]).softmax(-1)
+    for top_p in (0.05, 0.5, 0.9, 0.99):
+        got = R.nucleus(probs, top_p, k=k)
+        assert torch.equal(got > 0, _nucleus_by_full_sort(probs, top_p) > 0)
+        assert torch.allclose(got, _nucleus_by_full_sort(probs, top_p))
+
+
 # ---------------------------------------------------------------------------
 # api backend against a local OpenAI-compatible server
 
