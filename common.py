@@ -509,6 +509,77 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# bf16 autocast is a speed setting that depends on the hardware: about 2x on a
+# CPU with native bf16 matrix units (AVX512-BF16, AMX) and on a GPU, about 12x
+# slower on an AVX2-only CPU, where torch falls back to a scalar bf16 GEMM
+# (measured: the tiny base stage took 4.3 s a step against 0.37 s in fp32). So
+# configs say `autocast: auto` and the choice is made here, at run time.
+Autocast = Literal["auto", "none", "bf16"]
+
+
+def native_bf16(device_type: str) -> tuple[bool, str]:
+    """(whether `device_type` multiplies bf16 matrices natively, why), from what
+    torch reports: on a CPU the kernels it dispatches to (`get_cpu_capability`,
+    which ATEN_CPU_CAPABILITY can lower) and the bf16 units the CPU has."""
+    import torch
+
+    if device_type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name()}: bf16 {'supported' if ok else 'not supported'}"
+    cap = torch.backends.cpu.get_cpu_capability()
+    units = [name for name, probe in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+             if getattr(torch.cpu, probe, lambda: False)()]
+    if cap.startswith("AVX512") and units:
+        return True, f"CPU kernels {cap} with {' and '.join(units)}: native bf16 matrix units"
+    why = f"CPU kernels {cap}" + (f" (the CPU has {' and '.join(units)}, but torch dispatches {cap})" if units else
+                                  ", no AVX512-BF16 or AMX")
+    return False, why + ": bf16 would run emulated, many times slower than fp32"
+
+
+def choose_autocast(kind: str, device_type: str) -> tuple[bool, str]:
+    """(bf16 autocast on, the reason for the run log) for a config's `autocast`."""
+    if kind not in ("auto", "none", "bf16"):
+        raise ConfigError(f"autocast={kind!r}: expected auto, none or bf16")
+    if kind == "none":
+        return False, "autocast=none: fp32"
+    native, why = native_bf16(device_type)
+    if kind == "bf16":
+        return True, "autocast=bf16" + ("" if native else f" although {why}")
+    return native, f"autocast=auto -> {'bf16' if native else 'fp32'} ({why})"
+
+
+def autocast(enabled: bool, device_type: str):
+    """torch.autocast in bfloat16 on `device_type` when `enabled` (weights and optimizer
+    states stay fp32), else nothing. Enter it per step: leaving it clears the cache of
+    cast weights, which an optimizer step makes stale."""
+    import contextlib
+
+    import torch
+
+    return torch.autocast(device_type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def autocast_for(kind: str, model):
+    """The autocast a config's `kind` chooses for `model`'s device (`choose_autocast`, not
+    printed); nothing for an engine that is no torch module (vLLM keeps its own dtype)."""
+    if not hasattr(model, "parameters"):
+        return autocast(False, "cpu")
+    dev = next(model.parameters()).device.type
+    return autocast(choose_autocast(kind, dev)[0], dev)
+
+
+def setup_compute(threads: int, autocast_kind: str, device_type: str) -> bool:
+    """A script's compute settings, chosen once at start and printed: torch's CPU
+    threads (0 = its default) and bf16 autocast (`choose_autocast`); returns the latter."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    on, why = choose_autocast(autocast_kind, device_type)
+    print(f"compute: {device_type}, {torch.get_num_threads()} threads, {why}", flush=True)
+    return on
+
+
 def count_parameters(model, trainable: bool = False) -> int:
     """Parameters of `model` (only those that require grad if `trainable`).
 

@@ -117,6 +117,9 @@ class Config:
     mask_check: int = 64  # targets validated before the first step
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
+    # bf16 autocast of training, teacher episodes and the comparison (weights and optimizer fp32):
+    # "auto" only where the hardware multiplies bf16 natively (common.choose_autocast)
+    autocast: common.Autocast = "auto"
 
     def __post_init__(self):
         if not 0.0 <= self.kd.weight <= 1.0 or self.kd.temperature <= 0:
@@ -265,7 +268,8 @@ def eval_config(cfg: Config) -> evaluation.Config:
                              n_docs=max(1, e.n_docs), n_samples=e.n_samples, max_new_tokens=e.max_new_tokens,
                              latency_docs=e.latency_docs,
                              reward=dataclasses.replace(cfg.reward, factuality=e.factuality),
-                             limits=dict(cfg.limits), seed=cfg.seed, torch_threads=cfg.torch_threads)
+                             limits=dict(cfg.limits), seed=cfg.seed, torch_threads=cfg.torch_threads,
+                             autocast=cfg.autocast)
 
 
 def compare(teacher_dir: str, student_dir: str, documents, cfg: evaluation.Config) -> dict:
@@ -279,8 +283,9 @@ def compare(teacher_dir: str, student_dir: str, documents, cfg: evaluation.Confi
         common.seed_everything(cfg.seed)  # the same sampling draws for both, as eval.py does
         model, tok = evaluation.load_model(path, cfg)
         kept[name] = []
-        out[name] = {**evaluation.evaluate(model, tok, documents, cfg, kept[name]), "path": str(path),
-                     "n_params": common.count_parameters(model)}
+        with common.autocast_for(cfg.autocast, model):
+            out[name] = {**evaluation.evaluate(model, tok, documents, cfg, kept[name]), "path": str(path),
+                         "n_params": common.count_parameters(model)}
         del model
     t, s = out["teacher"], out["student"]
     out.update(speedup_p50=t["latency_p50_ms"] / s["latency_p50_ms"],
@@ -354,8 +359,8 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
 
 def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    dev = common.device()
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev)
     common.seed_everything(cfg.seed)
     limits = sandbox.Limits.make(**cfg.limits)
 
@@ -374,7 +379,8 @@ def main(cfg: Config) -> dict:
     if not Path(cfg.teacher).exists():
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
     teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
-    episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
+    with common.autocast(bf16, dev):
+        episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "
           f"{funnel['clean']} clean), {funnel['teacher_tokens_per_episode']:.0f} tokens and "
           f"{funnel['teacher_searches']:.2f} searches each" + (" (cached)" if funnel["cached"] else
@@ -416,8 +422,9 @@ def main(cfg: Config) -> dict:
         n_tok = sum(sft.n_generated(e) for b in batches for e in b)
 
         def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
-            loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
-                                        cfg.max_batch_tokens)
+            with common.autocast(bf16, dev):
+                loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
+                                            cfg.max_batch_tokens)
             return loss, {"ce": ce, "kd": kd}
 
         loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)

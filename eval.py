@@ -70,6 +70,7 @@ class Config:
     html_samples: int = 8  # greedy episodes per model in samples.html
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
+    autocast: common.Autocast = "auto"  # bf16 decoding only where the hardware has it natively (common.choose_autocast)
 
     def __post_init__(self):
         if min(self.n_docs, self.n_samples, self.max_new_tokens, self.batch_size) < 1:
@@ -477,7 +478,8 @@ def load_model(path: str, cfg: Config):
 def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None) -> dict:
     """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it."""
     model, tok = load_model(path, cfg)
-    return evaluate(model, tok, documents, cfg, keep)
+    with common.autocast_for(cfg.autocast, model):
+        return evaluate(model, tok, documents, cfg, keep)
 
 
 def load_eval_documents(cfg: Config) -> list:
@@ -658,8 +660,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
             raise SystemExit(missing_model_hint(p))
     docs = load_eval_documents(cfg)
     run = common.start_run(cfg)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    common.setup_compute(cfg.torch_threads, cfg.autocast, common.device())
     if cfg.pool != "eval":
         print(f"warning: evaluating the {cfg.pool!r} pool, reserved for the final measurement")
     backend = rewards.BACKEND_NAMES[cfg.reward.factuality]

@@ -142,6 +142,9 @@ class Config:
     resume: str = "auto"  # auto | none | a checkpoint path
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
+    # bf16 autocast of rollouts and updates (weights and optimizer fp32): "auto" only where the
+    # hardware multiplies bf16 natively (common.choose_autocast); "none" / "bf16" force it
+    autocast: common.Autocast = "auto"
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -453,8 +456,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
                          "(the api backend makes teacher episodes: data.teacher)")
     run = common.start_run(cfg)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    dev_type = common.device()
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type)
+    amp = lambda: common.autocast(bf16, dev_type)  # noqa: E731  (rollouts and updates both, entered per call)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     vllm = cfg.sampling.backend == "vllm"
@@ -507,7 +511,8 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             lora_request = model.load_lora(str(run.dir / "vllm_lora"), load_tensors=True)
             return rollout.rollout_vllm(model.vllm_engine, tok, documents, group, scfg, limits,
                                         lora_request=lora_request)
-        return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
+        with amp():
+            return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
 
     import eval as evaluation
 
@@ -587,14 +592,15 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                  "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
             if cfg.beta > 0:
                 model.eval()
-                with torch.no_grad(), modeling.reference_model(model) if lora else contextlib.nullcontext():
+                with torch.no_grad(), amp(), modeling.reference_model(model) if lora else contextlib.nullcontext():
                     b["ref"] = logprobs(model if lora else ref_copy, mb, cfg, temperature)
             batches.append(b)
         model.train()
         kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
         for epoch in range(cfg.mu):
             for b in batches:
-                logp = logprobs(model, b["eps"], cfg, temperature)
+                with amp():
+                    logp = logprobs(model, b["eps"], cfg, temperature)
                 if epoch == 0:
                     # Old log-probs: the sampler's own when it is this model and mu == 1; else
                     # this first pass's, detached (the same function and weights, before any update).

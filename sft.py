@@ -25,7 +25,6 @@ train a dangling tool call).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import random
@@ -144,10 +143,10 @@ class Config:
     # tree: an episode's branches in one sequence with a 4D mask (sdpa/eager attention);
     # branch: each branch its own sequence (any attention implementation, e.g. Unsloth's)
     score_method: Literal["tree", "branch"] = "tree"
-    # "bf16": forward and backward under torch.autocast(bfloat16), weights and optimizer in
-    # float32. About 2x per step on CPUs with AVX512-BF16 or AMX (measured: 0.17 s vs 0.32 s
-    # for the tiny base model's batch); slower on CPUs without them. GPU runs load bf16 weights.
-    autocast: Literal["none", "bf16"] = "none"
+    # bf16 autocast of forward and backward, weights and optimizer in fp32: "auto" turns it on
+    # only where the hardware multiplies bf16 natively (common.choose_autocast; about 2x per
+    # step there, many times slower on an AVX2-only CPU); "none" / "bf16" force it
+    autocast: common.Autocast = "auto"
     torch_threads: int = 0  # CPU threads for torch (0 = its default); 1 when other jobs share the cores
     log_every: int = 10  # steps between step lines
     save_every: int = 100  # optimizer steps between checkpoints
@@ -167,13 +166,6 @@ class Config:
 # ---------------------------------------------------------------------------
 # Pure pieces (tests import these)
 # ---------------------------------------------------------------------------
-
-
-def autocast(kind: str, model):
-    """torch.autocast in bfloat16 on the model's device ("bf16"), or nothing ("none")."""
-    if kind == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
 
 
 def n_generated(ep: sandbox.Episode, mask_retracted: bool = False) -> int:
@@ -572,8 +564,9 @@ def load_model(cfg: Config):
 
 def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    dev = common.device()
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev)
+    amp = lambda: common.autocast(bf16, dev)  # noqa: E731  (entered per step: see common.autocast)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     limits = sandbox.Limits.make(**cfg.limits)
@@ -603,7 +596,9 @@ def main(cfg: Config) -> dict:
         print(f"data: {len(train)} training episodes ({skipped} over {cfg.data.max_tokens} tokens skipped), "
               f"{len(held_eps)} eval episodes, {len(docs)} held-out documents")
     if cfg.mode == "rejection":
-        train, _ = tokenize_episodes(rejection_corpus(model, tok, train, cfg, limits, gen), tok, cfg.data.max_tokens)
+        with amp():
+            passed = rejection_corpus(model, tok, train, cfg, limits, gen)
+        train, _ = tokenize_episodes(passed, tok, cfg.data.max_tokens)
     elif cfg.mode == "teacher":
         train = teacher_corpus(train, cfg)
     ref_copy, labels, emission0 = None, {}, None
@@ -632,7 +627,8 @@ def main(cfg: Config) -> dict:
         # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
         emission0 = state.get("kto_emission0")
         if emission0 is None:
-            emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
+            with amp():
+                emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
             model.train()
         state = {"kto_emission0": emission0}
         print(f"kto: summary emission before training {emission0:.3f}; early stop below "
@@ -644,7 +640,7 @@ def main(cfg: Config) -> dict:
         return stream.episodes(i, tok) if stream is not None else corpus(i)
 
     def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
-        with autocast(cfg.autocast, model):
+        with amp():
             if cfg.mode == "kto":
                 return kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches)), {}
             return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method,
@@ -656,7 +652,7 @@ def main(cfg: Config) -> dict:
     t_last, tok_count = time.perf_counter(), 0
     while step < total_steps:
         if cfg.eval.every and step % cfg.eval.every == 0 and held_eps:
-            history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=False)
+            history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=False)
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
         loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)
@@ -668,7 +664,7 @@ def main(cfg: Config) -> dict:
             run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)
+            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
             if emission0 is not None and "eval_emission" in ev:
                 if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
                     print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
@@ -683,13 +679,23 @@ def main(cfg: Config) -> dict:
     common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                            keep=cfg.keep_checkpoints)
     final = common.save_final(model, tok, run.dir / "final")
-    history = _log_eval(run, step, model, tok, held_eps, docs, cfg, sample=True)
+    history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
     print(f"model saved to {final}")
     run.finish()
     return history
 
 
-def _log_eval(run, step, model, tok, held_eps, docs, cfg, sample: bool) -> dict:
+def _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample: bool) -> dict:
+    with amp():
+        out = _eval_figures(model, tok, held_eps, docs, cfg, sample)
+    if out:
+        import eval as evaluation
+
+        evaluation.log_eval(run, step, out)
+    return out
+
+
+def _eval_figures(model, tok, held_eps, docs, cfg, sample: bool) -> dict:
     out = {}
     if held_eps:
         out["eval_loss"] = eval_loss(model, held_eps, cfg.max_batch_tokens, mask_retracted=cfg.mask_retracted,
@@ -697,10 +703,6 @@ def _log_eval(run, step, model, tok, held_eps, docs, cfg, sample: bool) -> dict:
     if sample:
         out.update(sample_eval(model, tok, docs, cfg))
         model.train()
-    if out:
-        import eval as evaluation
-
-        evaluation.log_eval(run, step, out)
     return out
 
 

@@ -350,7 +350,8 @@ class ModelDrafter:
             self.calls += 1
             seed = self.seed * 100_003 + self.calls
             if prefixes is None:
-                eps = rollout.rollout(self.model, tok, docs, 1, sampling_for(self.cfg.generate, seed))
+                with common.autocast_for(self.cfg.generate.autocast, self.model):
+                    eps = rollout.rollout(self.model, tok, docs, 1, sampling_for(self.cfg.generate, seed))
             else:
                 scripts = {j: forced_ids(self.tok, prefixes[i]) for j, i in enumerate(rnd)}
                 longest = max((len(s) for s in scripts.values()), default=0)
@@ -358,8 +359,9 @@ class ModelDrafter:
                 if sampling.backend == "vllm":
                     eps = _continue_vllm(self.model, tok, docs, [scripts[j] for j in range(len(rnd))], sampling)
                 else:
-                    eps = rollout.rollout(self.model, tok, docs, 1, sampling,
-                                          logits_processor=rollout.ScriptedProcessor(scripts))
+                    with common.autocast_for(self.cfg.generate.autocast, self.model):
+                        eps = rollout.rollout(self.model, tok, docs, 1, sampling,
+                                              logits_processor=rollout.ScriptedProcessor(scripts))
             for i, ep in zip(rnd, eps):
                 out[i] = ep
         return out

@@ -50,6 +50,7 @@ class GenerateConfig:
     top_p: float = 1.0
     max_new_tokens: int = 160  # generated tokens per draft or continuation (a forced prefix comes on top)
     batch_size: int = 32  # rows decoded together
+    autocast: common.Autocast = "auto"  # hf backends: bf16 only where the hardware has it natively
 
 
 @dataclass
@@ -313,8 +314,9 @@ class ModelTeacher(Teacher):
         for rnd in unique_rounds([requests[i][1] for i in todo]):
             idx = [todo[j] for j in rnd]
             tok = PromptedTokenizer(self.tok, {requests[i][1]: requests[i][0] for i in idx})
-            eps = rollout.rollout(self.model, tok, [sandbox.index_for(requests[i][1]) for i in idx], 1,
-                                  sampling_for(self.cfg.generate, 0))
+            with common.autocast_for(self.cfg.generate.autocast, self.model):
+                eps = rollout.rollout(self.model, tok, [sandbox.index_for(requests[i][1]) for i in idx], 1,
+                                      sampling_for(self.cfg.generate, 0))
             for i, ep in zip(idx, eps):
                 text = written_text(ep)
                 pt = len(sandbox.prompt_ids(tok, requests[i][1]))

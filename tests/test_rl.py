@@ -429,7 +429,8 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
     monkeypatch.setattr(rl, "logprobs", spy_logprobs)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", check_then_clip)
     cfg = config(policy, docs, tmp_path, steps=2, micro_groups=micro_groups, save_every=0, advantage=advantage,
-                 sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2)
+                 sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2,
+                 autocast="none")  # the gradient computed here is fp32's; `auto` may pick bf16 on this CPU
     if vllm_shift is not None:
         fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted R.rollout above
         cfg.sampling.backend = "vllm"

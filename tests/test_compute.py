@@ -1,0 +1,97 @@
+"""Compute settings chosen at run time: bf16 autocast only where the hardware
+multiplies bf16 natively, said in the run log, and reaching every model call of
+the trainers that ask for it."""
+import pytest
+import torch
+
+import common
+import data
+import modeling
+import rl
+import rollout as R
+from helpers import DOC, bpe_tokenizer, save_tiny_policy
+from settings import ConfigError
+
+
+def _cpu(monkeypatch, capability, avx512_bf16=False, amx=False):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+
+@pytest.mark.parametrize("capability, avx512_bf16, amx, chosen", [
+    ("AVX2", False, False, False),  # a laptop or cloud VM without bf16 units: scalar bf16 GEMM, ~12x slower
+    ("AVX2", True, False, False),  # units present but torch dispatches AVX2 (ATEN_CPU_CAPABILITY=avx2)
+    ("AVX512", False, False, False),  # AVX512 without BF16 (Skylake-X, Cascade Lake)
+    ("AVX512", True, False, True),  # AVX512-BF16 (Cooper Lake, Zen 4/5)
+    ("AVX512", False, True, True),  # AMX (Sapphire Rapids)
+    ("DEFAULT", False, False, False),
+])
+def test_auto_picks_bf16_only_with_native_units(monkeypatch, capability, avx512_bf16, amx, chosen):
+    _cpu(monkeypatch, capability, avx512_bf16, amx)
+    on, why = common.choose_autocast("auto", "cpu")
+    assert on is chosen
+    assert why.startswith(f"autocast=auto -> {'bf16' if chosen else 'fp32'}") and capability in why
+    assert common.choose_autocast("none", "cpu") == (False, "autocast=none: fp32")
+    forced, why = common.choose_autocast("bf16", "cpu")
+    assert forced and (why == "autocast=bf16") is chosen  # forcing it where it is slow says so
+
+
+def test_auto_on_cuda_follows_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA T4")
+    for supported in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, s=supported: s)
+        assert common.choose_autocast("auto", "cuda")[0] is supported
+
+
+def test_an_unknown_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="autocast='fp16'"):
+        common.choose_autocast("fp16", "cpu")
+
+
+def test_the_run_log_says_what_was_chosen_and_why(monkeypatch, capsys):
+    _cpu(monkeypatch, "AVX2", avx512_bf16=True)
+    assert common.setup_compute(0, "auto", "cpu") is False
+    out = capsys.readouterr().out
+    assert "compute: cpu" in out and "autocast=auto -> fp32" in out and "torch dispatches AVX2" in out
+
+
+@pytest.mark.parametrize("kind, dtypes", [("bf16", {torch.bfloat16}), ("none", {torch.float32})])
+def test_rl_rolls_out_and_updates_under_the_chosen_autocast(tmp_path, monkeypatch, kind, dtypes):
+    """Every projection of a rollout and of an update runs in the chosen precision."""
+    policy = save_tiny_policy(tmp_path / "p", bpe_tokenizer())
+    docs = tmp_path / "docs.jsonl"
+    data.write_jsonl(str(docs), [data.Document(id="d0", text=DOC), data.Document(id="d1", text=DOC[:300])])
+    seen = {"rollout": set(), "update": set()}
+    phase = {"now": "rollout"}
+    real_rollout, real_logprobs = R.rollout, rl.logprobs
+
+    def in_rollout(*a, **k):
+        phase["now"] = "rollout"
+        return real_rollout(*a, **k)
+
+    def in_update(*a, **k):
+        phase["now"] = "update"
+        return real_logprobs(*a, **k)
+
+    def hook(module, args, out):
+        seen[phase["now"]].add(out.dtype)
+
+    real_load = modeling.load_policy
+
+    def load(*a, **k):
+        model, tok = real_load(*a, **k)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and not m.__class__.__module__.startswith("peft"):
+                m.register_forward_hook(hook)
+        return model, tok
+
+    monkeypatch.setattr(R, "rollout", in_rollout)
+    monkeypatch.setattr(rl, "logprobs", in_update)
+    monkeypatch.setattr(modeling, "load_policy", load)
+    cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(name_or_path=policy),
+                    data=rl.DataConfig(train=str(docs), split=""), steps=1, prompts_per_step=2, group_size=2,
+                    save_every=0, autocast=kind, eval=rl.EvalConfig(every=0, n_docs=0, sample_every=0))
+    cfg.sampling.max_new_tokens = 8
+    rl.main(cfg, reward_fn=lambda d, e: [{"total": float(i % 2)} for i in range(len(e))])
+    assert seen["rollout"] == dtypes and seen["update"] == dtypes
