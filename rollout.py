@@ -398,6 +398,20 @@ class _RaggedCache:
         self.prompt_add = self.doc_add[torch.tensor(docs, device=dev)][:, None, None]  # (n, 1, 1, P)
 
 
+MIN_COMMON_PREFIX = 16  # shorter shared openings are prefilled with the rest
+
+
+def _common_prefix(contexts: list[list[int]]) -> int:
+    """How many leading ids every context shares, leaving each at least one of its own
+    (the id its next-token logits are read after)."""
+    n = min(len(c) for c in contexts) - 1
+    first = contexts[0]
+    for k in range(max(0, n)):
+        if any(c[k] != first[k] for c in contexts[1:]):
+            return k
+    return max(0, n)
+
+
 class _Batch:
     """Active rows, their ragged cache, their lengths and the ids in their slots."""
 
@@ -418,9 +432,20 @@ class _Batch:
         rows (a group sharing one prompt, prefilled once and kept once when the
         engine's attention runs the model)."""
         self.cache = _RaggedCache(self.model.config.num_hidden_layers)
-        self.lens = [0] * len(contexts)
         self.ids = None
-        self.logits = self._forward(None, contexts)
+        common = _common_prefix(contexts)
+        if len(contexts) > 1 and common >= MIN_COMMON_PREFIX:
+            # Every prompt opens with the same chat template and system prompt (a third of a
+            # news-world prompt): computed once, copied to each row, the rest appended.
+            self.lens = [0]
+            self._forward(None, [contexts[0][:common]])
+            self.cache.select_rows(torch.zeros(len(contexts), dtype=torch.long, device=self.dev))
+            self.ids = self.ids[[0] * len(contexts)] if self.ids is not None else None
+            self.lens = [common] * len(contexts)
+            self.logits = self._forward(None, [c[common:] for c in contexts])
+        else:
+            self.lens = [0] * len(contexts)
+            self.logits = self._forward(None, contexts)
         if expand > 1:
             if _shares_prompts(self.model):
                 self.cache.share_prompts(self.lens, expand)

@@ -188,6 +188,21 @@ def test_grouped_kv_attention_equals_transformers_sdpa_and_is_restored(model):
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_a_prefix_every_prompt_shares_is_computed_once_and_changes_nothing(model):
+    assert R._common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert R._common_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each keeps one id of its own
+    ids = TOK.encode(DOC)
+    prompts = [ids[:40] + ids[60:70], ids[:40] + ids[80:95], ids[:40] + ids[100:101]]
+    batch = R._Batch(model, TOK.pad_token_id, record=True)
+    batch.prefill([R.Row(i, None) for i in range(3)], prompts)
+    assert batch.forward_tokens == 40 + 3 * 15  # the shared 40 once, then the rest padded to 15
+    assert [batch.context(i) for i in range(3)] == prompts
+    for i, p in enumerate(prompts):
+        alone = R._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([R.Row(0, None)], [p])
+        assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-5)
+
+
 def test_groups_keep_one_copy_of_their_prompt(model):
     """A prefill expanded to G rows keeps the prompt once per document; the rows'
     own slots hold only what they write after it."""
