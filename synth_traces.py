@@ -86,6 +86,8 @@ class DrafterConfig:
     # above, one generation per round); false corrects every error of the first draft in one
     # pass, as the news world drafter does (one generation per trace)
     continuation: bool = True
+    # model: keep a draft's first N sentences (0 = all), repeats dropped (`draft_sentences`)
+    max_sentences: int = 0
 
 
 @dataclass
@@ -104,8 +106,9 @@ class Config:
     # Query style. regex / bm25 / mix: corrections search the teacher's regex keys, positives
     # use this style (see docstring). own: every search is the sentence just written, as a
     # BM25 query (corrections and positives alike), the key a policy can write itself;
-    # own_words: the same without the words that hold a digit (its values).
-    search_query: Literal["regex", "bm25", "mix", "own", "own_words"] = "regex"
+    # own_words: the same without the words that hold a digit (its values); key: its first
+    # eight content words (`key_query`), the same check in a third of the generated tokens.
+    search_query: Literal["regex", "bm25", "mix", "own", "own_words", "key"] = "regex"
     # teacher: the rewrite after a delete is the teacher's corrected sentence; evidence: the
     # sentence of the last search's results that states it (`evidence_correction`), so the
     # rewrite is a copy of the evidence the trace fetched
@@ -196,6 +199,35 @@ def own_words_query(sentence: str) -> str:
     """`own_query` without the words that hold a digit: the sentence's names and
     words, not its values (likely the wrong ones, and the ones a rewrite must not copy)."""
     return " ".join(w for w in own_query(sentence).split() if not any(c.isdigit() for c in w)).rstrip(" ,;:")
+
+
+KEY_WORDS = 8
+
+
+def key_query(sentence: str, n: int = KEY_WORDS) -> str:
+    """A short BM25 key written from the sentence itself: its first `n` content words
+    (no function words, no values), punctuation dropped. What the sentence shares with
+    the article (its names, its predicate) in a third of the tokens: every generated
+    token of a search is paid for in every rollout."""
+    out = []
+    for w in own_words_query(sentence).split():
+        w = w.strip(",.;:'\"()[]")
+        if w and w.lower() not in data.STOP_WORDS:
+            out.append(w)
+    return " ".join(out[:n])
+
+
+def draft_sentences(text: str, n: int) -> str:
+    """The first `n` sentences of a model's draft (all when n == 0), a sentence that
+    repeats an earlier one dropped: a drafter that loops until its token limit gives
+    a draft, not a loop, to correct."""
+    kept: list[str] = []
+    for s in textsplit.split_sentences(text):
+        if s not in kept:
+            kept.append(s)
+        if n and len(kept) == n:
+            break
+    return " ".join(kept)
 
 
 def evidence_correction(document: str, query: str, corrected: str, min_cosine: float = 0.5, top_k: int = 3) -> str:
@@ -368,7 +400,8 @@ class ModelDrafter:
 
     def draft(self, items: Sequence[Item]) -> list[Draft]:
         # The drafter's own tool calls (if it is a tool-trained policy) are dropped: only the summary counts.
-        return [Draft(ep.summary, [], self.prompt_id(it)) for it, ep in zip(items, self._generate(items, None))]
+        return [Draft(draft_sentences(ep.summary, self.cfg.max_sentences), [], self.prompt_id(it))
+                for it, ep in zip(items, self._generate(items, None))]
 
     def continue_(self, items: Sequence[Item], prefixes: Sequence[str]) -> list[tuple[str, str | None]]:
         """(continuation text, error) per item: what the drafter wrote after the forced prefix.
@@ -428,7 +461,7 @@ def _render_kw(it: Item, cfg: Config) -> dict:
     rewrite = None
     if cfg.correction == "evidence":
         rewrite = functools.partial(evidence_correction, it.doc.text, top_k=sandbox.Limits.make(**cfg.limits).top_k)
-    own = {"own": own_query, "own_words": own_words_query}.get(cfg.search_query)
+    own = {"own": own_query, "own_words": own_words_query, "key": key_query}.get(cfg.search_query)
     return {"own": own, "rewrite": rewrite}
 
 

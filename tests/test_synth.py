@@ -85,6 +85,31 @@ def test_own_sentence_queries_and_evidence_rewrites():
     assert st.evidence_correction(DOCS[0].text, "anything", "") == ""  # drop the sentence: nothing to copy
 
 
+def test_key_queries_are_short_content_words_that_find_the_support():
+    assert st.key_query("On May 3, 2021, Acme Corp. said it would buy Globex (a rival) for $5 billion.") == \
+        "Acme Corp buy Globex rival billion"
+    assert st.key_query("The deal, which was approved, closed.") == "deal approved closed"
+    assert sandbox.parse_query(st.key_query("/Acme rose/."))[0] == "bm25"
+    found = n = 0
+    for doc in DOCS:  # the rule drafter's sentences, wrong ones included: the key is their own words
+        draft, _ = oracle.draft(doc, random.Random(2), n_errors=2)
+        for sent in textsplit.split_sentences(draft):
+            support = oracle.oracle_support(doc, sent)
+            if support:
+                n += 1
+                q = st.key_query(sent)
+                assert len(q.split()) <= st.KEY_WORDS
+                found += bool(set(sandbox.index_for(doc.text).search(q, top_k=2).hits) & set(support))
+    assert n >= 20 and found / n >= 0.8
+
+
+def test_a_model_draft_keeps_its_first_sentences_and_no_repeat():
+    loop = "Acme rose. Acme rose. Globex fell 2%. Acme rose. Jane Doe left. Beta won."
+    assert st.draft_sentences(loop, 3) == "Acme rose. Globex fell 2%. Jane Doe left."
+    assert st.draft_sentences(loop, 0) == "Acme rose. Globex fell 2%. Jane Doe left. Beta won."
+    assert st.draft_sentences("Acme rose. Globex fell", 3) == "Acme rose. Globex fell"  # a cut last sentence stays
+
+
 @pytest.mark.parametrize("style", ["regex", "bm25"])
 def test_search_only_positive_retrieves_the_support(style):
     rng = random.Random(0)
