@@ -311,7 +311,7 @@ def resolve_model_path(name_or_path: str) -> str:
 # ---------------------------------------------------------------------------
 # The reference path (torch, transformers, peft) runs everywhere; bitsandbytes,
 # Unsloth and vLLM are imported only in the branch that asks for them
-# (DESIGN section 8), and a missing one raises an ImportError that says how to
+# (DESIGN section 9), and a missing one raises an ImportError that says how to
 # install it. The reference policy of RL is the same model with its adapter
 # disabled (`reference_model`), so it costs no second copy of the weights.
 
@@ -327,6 +327,10 @@ class LoraConfig:
     dropout: float = 0.0
     # module names; ["all-linear"] means every linear layer but the output head
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    # > 0: adapt only the last N decoder layers (peft's layers_to_transform). Backpropagation
+    # then stops at the lowest adapted layer: on a CPU, where a step is compute-bound, the
+    # backward pass shrinks to that share of the model. 0: every layer.
+    top_layers: int = 0
 
 
 @dataclasses.dataclass
@@ -356,6 +360,8 @@ class ModelConfig:
             raise ConfigError(f"model.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
         if self.lora.enabled and self.lora.rank < 1:
             raise ConfigError(f"model.lora.rank must be >= 1, got {self.lora.rank}")
+        if self.lora.top_layers < 0:
+            raise ConfigError(f"model.lora.top_layers must be >= 0 (0: every layer), got {self.lora.top_layers}")
 
 
 def resolve_dtype(name: str, device_name: str):
@@ -415,12 +421,21 @@ def _bnb_config(quant: str, compute_dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _peft_lora(cfg: LoraConfig):
+def adapted_layers(cfg: LoraConfig, n_layers: int) -> list[int] | None:
+    """The decoder layers LoRA goes on: the last `top_layers`, or None for all."""
+    if not cfg.top_layers:
+        return None
+    if cfg.top_layers > n_layers:
+        raise ConfigError(f"model.lora.top_layers={cfg.top_layers}: the model has {n_layers} layers")
+    return list(range(n_layers - cfg.top_layers, n_layers))
+
+
+def _peft_lora(cfg: LoraConfig, n_layers: int):
     import peft
 
     targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                           layers_to_transform=adapted_layers(cfg, n_layers), bias="none", task_type="CAUSAL_LM")
 
 
 def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = None):
@@ -461,7 +476,7 @@ def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = 
     elif train and cfg.lora.enabled:
         from peft import get_peft_model
 
-        model = get_peft_model(model, _peft_lora(cfg.lora))
+        model = get_peft_model(model, _peft_lora(cfg.lora, model.config.num_hidden_layers))
     if train:
         model.train()
     else:
@@ -520,7 +535,7 @@ def _load_unsloth(cfg: ModelConfig, train: bool):
         model = FastLanguageModel.get_peft_model(
             model, r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
             target_modules=LORA_TARGETS if cfg.lora.target_modules == ["all-linear"] else list(cfg.lora.target_modules),
-            bias="none",
+            bias="none", layers_to_transform=adapted_layers(cfg.lora, model.config.num_hidden_layers),
             # "unsloth" offloads the checkpoints to CPU memory (the planner's backend=unsloth)
             use_gradient_checkpointing="unsloth" if cfg.gradient_checkpointing else False,
             random_state=torch.initial_seed() % 2**32)
