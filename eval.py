@@ -52,13 +52,13 @@ KS = (1, 2, 4, 8)
 class Config:
     name: str = "eval"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
-    model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter); --compare overrides
+    model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter) or a model preset; --compare overrides
     base: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # dtype/quant/attention for loading
     docs: str = "out/newsworld/docs.jsonl"  # Document JSONL
     split: str = "out/newsworld/split.json"  # leak-cluster manifest ("" = every document of `docs`)
     pool: Literal["eval", "never_touch"] = "eval"  # never_touch only when explicitly asked for
     n_docs: int = 32  # the first n documents of the pool
-    n_samples: int = 8  # sampled rollouts per document for pass@k
+    n_samples: int = 8  # sampled rollouts per document for pass@k (0: no sampled pass, pass@k n/a)
     temperature: float = 1.0  # of those samples
     max_new_tokens: int = 160  # per episode, all turns together
     batch_size: int = 64  # rows decoded together
@@ -73,8 +73,8 @@ class Config:
     autocast: common.Autocast = "auto"  # bf16 decoding only where the hardware has it natively (common.choose_autocast)
 
     def __post_init__(self):
-        if min(self.n_docs, self.n_samples, self.max_new_tokens, self.batch_size) < 1:
-            raise settings.ConfigError("n_docs, n_samples, max_new_tokens and batch_size must be >= 1")
+        if min(self.n_docs, self.max_new_tokens, self.batch_size) < 1 or self.n_samples < 0:
+            raise settings.ConfigError("n_docs, max_new_tokens and batch_size must be >= 1, n_samples >= 0")
         if self.latency_docs < 0 or self.temperature <= 0:
             raise settings.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
 
@@ -432,9 +432,9 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     n = cfg.n_samples
     sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
     gen = rollout.make_generator(cfg.seed, model)  # the same draws for every model compared
-    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}")
+    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}") if n else []
     s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
-    passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))]
+    passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))] if n else []
     for k in KS:
         out[f"pass_at_{k}"] = common.mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
     out["pass_sampled"] = common.mean(float(s["pass"]) for s in s_scores)
@@ -654,7 +654,7 @@ def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
     """Evaluate `cfg.model`, or every directory of `compare`, and write the run's outputs."""
-    paths = list(compare) or [cfg.model]
+    paths = [modeling.resolve_model_path(p) for p in list(compare) or [cfg.model]]  # a preset: its folder
     for p in paths:
         if not Path(p).is_dir():
             raise SystemExit(missing_model_hint(p))
