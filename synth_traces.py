@@ -100,9 +100,15 @@ class Config:
     out_path: str = "out/traces/newsworld.jsonl"  # Episode JSONL; a shard i/n writes NAME.shard{i}of{n}.jsonl
     seed: int = 0  # drafts, prompts and positives derive from (seed, doc id, draft number)
     limit: int | None = None  # the first N documents of this shard (--limit N)
+    # a leak-cluster manifest (`data.py split`): only its train pool is drafted ("" = every document);
+    # the filter drops traces of held-out documents anyway, so drafting them is wasted work
+    split: str = ""
     shard: str = "0/1"  # i/n: documents whose id hashes to i mod n (--shard i/n)
     batch_docs: int = 64  # documents per batch (teacher concurrency, drafter rollouts)
     search_rate: float = 0.25  # share of correct sentences followed by a search-only positive
+    # share of corrected sentences checked in turn (own-sentence styles): the policy writes
+    # such copies of the article itself, and must learn that a check they pass keeps them
+    recheck_rate: float = 0.0
     # Query style. regex / bm25 / mix: corrections search the teacher's regex keys, positives
     # use this style (see docstring). own: every search is the sentence just written, as a
     # BM25 query (corrections and positives alike), the key a policy can write itself;
@@ -246,7 +252,7 @@ def evidence_correction(document: str, query: str, corrected: str, min_cosine: f
 def render(sentences: Sequence[str], groups: dict[int, list[dict]], query_fn: Callable[[str], str | None],
            rng: random.Random, search_rate: float, ends_trace: bool = True,
            avoid: set[int] = frozenset(), own: Callable[[str], str] | None = None,
-           rewrite: Callable[[str, str], str] | None = None) -> tuple[str, list[dict]]:
+           rewrite: Callable[[str, str], str] | None = None, recheck_rate: float = 0.0) -> tuple[str, list[dict]]:
     """Assistant text for consecutive summary sentences, and the corrections made.
 
     A sentence with labels is followed by one regex search per distinct key (two
@@ -257,7 +263,9 @@ def render(sentences: Sequence[str], groups: dict[int, list[dict]], query_fn: Ca
     `own(sentence)`), except the last one of the trace (a trace
     never ends on a search) and those in `avoid` (known wrong, left uncorrected).
     `rewrite(query, corrected)`, if given, replaces each corrected sentence
-    (`evidence_correction`: the result sentence that states it).
+    (`evidence_correction`: the result sentence that states it). With `own`, a
+    corrected sentence is checked in turn with probability `recheck_rate` (a
+    search-only positive: what its results state, it states; kept), never the last.
     """
     parts, corrections = [], []
     last = len(sentences) - 1 if ends_trace else len(sentences)
@@ -269,8 +277,11 @@ def render(sentences: Sequence[str], groups: dict[int, list[dict]], query_fn: Ca
             fixed = next((lab["corrected_clause"].strip() for lab in labs if lab["corrected_clause"].strip()), "")
             if rewrite is not None:
                 fixed = rewrite(queries[-1], fixed)
+            recheck = ""
+            if fixed and own and i < last and recheck_rate > 0 and rng.random() < recheck_rate:
+                recheck = f"<search>{own(fixed)}</search>"
             parts.append(s + "".join(f"<search>{q}</search>" for q in queries) + DELETE_TAG
-                         + (" " + fixed if fixed else ""))
+                         + (" " + fixed + recheck if fixed else ""))
             corrections.append({"sentence": s, "corrected": fixed, "keys": keys,
                                 "types": [lab.get("type", "unknown") for lab in labs]})
         elif i < last and i not in avoid and search_rate > 0 and rng.random() < search_rate:
@@ -462,7 +473,7 @@ def _render_kw(it: Item, cfg: Config) -> dict:
     if cfg.correction == "evidence":
         rewrite = functools.partial(evidence_correction, it.doc.text, top_k=sandbox.Limits.make(**cfg.limits).top_k)
     own = {"own": own_query, "own_words": own_words_query, "key": key_query}.get(cfg.search_query)
-    return {"own": own, "rewrite": rewrite}
+    return {"own": own, "rewrite": rewrite, "recheck_rate": cfg.recheck_rate}
 
 
 def _query_fn(it: Item, cfg: Config) -> Callable[[str], str | None]:
@@ -593,7 +604,14 @@ def main(cfg: Config, drafter=None, annotator=None, judge=None) -> dict:
     t0 = time.perf_counter()
     si, sn = parse_shard(cfg.shard)
     run = common.start_run(cfg)
-    docs = [d for d in load_docs(cfg) if shard_of(d.id, sn) == si]
+    docs = load_docs(cfg)
+    if cfg.split:
+        try:
+            docs = data.pool_documents(docs, data.read_manifest(cfg.split), "train", cfg.split)
+        except (data.DataError, data.LeakError, OSError) as e:
+            raise SystemExit(f"split={cfg.split}: {e} (make it with `python data.py split --docs {cfg.docs_path} "
+                             f"--out {cfg.split}`, or set split='')") from None
+    docs = [d for d in docs if shard_of(d.id, sn) == si]
     docs = docs[:cfg.limit] if cfg.limit is not None else docs
     out = shard_path(cfg.out_path, si, sn)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -30,6 +30,22 @@ def _cfg(tmp_path, *overrides):
                                           f"runs_dir={tmp_path / 'runs'}", "batch_docs=4", *overrides])
 
 
+def test_a_split_limits_drafting_to_its_train_pool(tmp_path):
+    import json
+
+    cfg = _cfg(tmp_path, "drafter.drafts_per_doc=1")
+    manifest = data.make_split(DOCS, fractions=(0.5, 0.25, 0.25))
+    (tmp_path / "split.json").write_text(json.dumps(manifest))
+    cfg.split = str(tmp_path / "split.json")
+    st.main(cfg)
+    drafted = {ep.doc_id for ep in sandbox.read_episodes(cfg.out_path)}
+    train = {e["id"] for e in manifest["pools"]["train"]}
+    assert drafted and drafted <= train and len(drafted) >= len(train) - 1  # a trace may be dropped, never a pool crossed
+    cfg.split = str(tmp_path / "missing.json")
+    with pytest.raises(SystemExit, match="data.py split"):
+        st.main(cfg)
+
+
 # --- building a trace ------------------------------------------------------------------
 
 
