@@ -132,6 +132,28 @@ def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(t
         sft.Config(rewrite_weight=-1.0)
 
 
+def test_decision_weight_counts_the_first_id_after_each_search_d_times_masked_or_not(tiny):
+    """A check kept (its next sentence wrong, so error masking hides it) and a check
+    followed by a delete: the first id after each results block is the decision."""
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
+    text = (f"Acme rose 5%.<search>Acme rose</search> {WRONG}<search>/Acme/</search><delete scope=\"sentence\"/>"
+            " Acme rose 5%.")
+    ep = S.replay(MASK_DOC, text).tokenized(tok)
+    decides = sft.decision_turns(ep)
+    assert decides == [False, True, True, False]  # after the first search, after the second, not after the delete
+    assert ep.turns[1].masked and 0 in ep.turns[1].masked  # "keep" begins the wrong sentence: masked...
+    assert ep.turns[2].text.startswith("<delete")
+    base = sft.n_generated(ep, mask_retracted=True)
+    plain = sft.sequence_loss(model, [ep], base, mask_retracted=True)
+    assert torch.equal(plain, sft.sequence_loss(model, [ep], base, mask_retracted=True, decision_weight=1.0))
+    lp = sft.rollout.episode_logprobs(model, [ep])[0]
+    got = sft.sequence_loss(model, [ep], base, mask_retracted=True, decision_weight=5.0)
+    # ...and trained 5 times with the weight; the delete's first id once more per extra weight (4 more)
+    assert torch.allclose(got, plain - (5.0 * lp[1][0] + 4.0 * lp[2][0]) / base, atol=1e-5)
+    with pytest.raises(settings.ConfigError, match="decision_weight"):
+        sft.Config(decision_weight=-1.0)
+
+
 def test_the_cli_reports_a_config_error_in_one_line():
     for args, says in ((["--config", "nope.yaml"], "error: cannot read config file nope.yaml"),
                        (["--config", "configs/sft_tiny.yaml", "rewrite_weight=-1"], "error: rewrite_weight=-1.0")):
