@@ -92,6 +92,10 @@ class Config:
     # the student: a tiny preset (built from scratch over the teacher's tokenizer), an HF id or a path
     student: modeling.ModelConfig = field(default_factory=lambda: modeling.ModelConfig(
         name_or_path="tiny-0.3m", lora=modeling.LoraConfig(enabled=False)))
+    # > 1: the student is the teacher itself (its adapter merged) with one decoder layer in
+    # `keep_every` kept, evenly spaced, first and last included; its weights start as the
+    # teacher's (student.name_or_path is then unused)
+    keep_every: int = 0
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     target: Literal["summary", "episode", "both"] = "summary"
     data: DataConfig = field(default_factory=DataConfig)
@@ -340,13 +344,48 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
     return kept, {**funnel, "cached": False}
 
 
+def kept_layers(n: int, keep_every: int) -> list[int]:
+    """`ceil(n / keep_every)` decoder layers of `n`, evenly spaced, the first and the last among them."""
+    k = max(2, math.ceil(n / keep_every))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def pruned_teacher(teacher_dir: str, keep_every: int, out_dir: Path, base: modeling.ModelConfig) -> Path:
+    """The teacher with its adapter merged and only `kept_layers` of its decoder layers,
+    saved as a plain model in `out_dir` (reused when already written)."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    import torch.nn as nn
+
+    model, tok = modeling.load_trained(teacher_dir, train=False, base=base)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    n = model.config.num_hidden_layers
+    keep = kept_layers(n, keep_every)
+    decoder = model.get_decoder()
+    decoder.layers = nn.ModuleList(decoder.layers[i] for i in keep)
+    for i, layer in enumerate(decoder.layers):  # each attention indexes the KV cache by its own layer number
+        layer.self_attn.layer_idx = i
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    with common.atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    print(f"student: the teacher's decoder layers {keep} ({len(keep)} of {n}), its weights -> {out_dir}")
+    return out_dir
+
+
 def load_student(cfg: Config, run_dir: Path, teacher_tok):
     """A tiny preset becomes a fresh Llama of that shape over the teacher's
     tokenizer (so logits correspond and KD applies), seeded, written to
-    run_dir/student_init and loaded from there like any model; anything else
-    loads as it is."""
+    run_dir/student_init and loaded from there like any model; with `keep_every`
+    the student is the pruned teacher (`pruned_teacher`); anything else loads as it is."""
     mcfg = cfg.student
-    if mcfg.name_or_path in modeling.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
+    if cfg.keep_every > 1:
+        init = pruned_teacher(cfg.teacher, cfg.keep_every, run_dir / "student_init", mcfg)
+        mcfg = dataclasses.replace(mcfg, name_or_path=str(init), adapter_path=None)
+    elif mcfg.name_or_path in modeling.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
         init = modeling.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
         mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
     return modeling.load_policy(mcfg, train=True)
