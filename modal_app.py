@@ -2,7 +2,7 @@
 
     pip install modal && modal setup                                        # once: the client and a token
     python modal_app.py --profile cnn_qwen3_4b --stage sft,rl_v19 --gpu A100-80GB --secret hf
-    python modal_app.py --profile newsworld --stage all --gpu L4            # the CPU chain, on a GPU box
+    python modal_app.py --profile smollm --stage all --gpu L4               # the news-world chain, on a GPU box
     python modal_app.py --profile cnn_qwen3_4b --stage all --dry-run        # what it would run; modal not needed
     modal volume get factual-tools-runs runs/drgrpo_v19/final ./rl_v19  # fetch a result
 
@@ -35,10 +35,11 @@ def plan(profile: str, stages: str, sets: list[str]) -> list[str]:
     """The pipeline command a call runs remotely; bad stage or --set names exit naming them."""
     if profile not in pipeline.PROFILES:
         raise SystemExit(f"modal_app: unknown profile {profile!r}; profiles: {sorted(pipeline.PROFILES)}")
-    chain = pipeline.PROFILES[profile]
+    chain = pipeline.profile_stages(profile)
     wanted = [] if stages == "all" else pipeline.stage_names(stages, chain)
     if stages != "all" and not wanted:
-        raise SystemExit(f"modal_app: no stage given; stages of {profile}: {[s.name for s in chain]} or all")
+        names = list(dict.fromkeys(s.name for s in chain))
+        raise SystemExit(f"modal_app: no stage given; stages of {profile}: {names} or all")
     pipeline.stage_overrides(sets, chain)  # checked here, applied by pipeline.py remotely
     return ["python", "pipeline.py", "--profile", profile, *(["--only", ",".join(wanted)] if wanted else []),
             *(a for item in sets for a in ("--set", item))]

@@ -1,12 +1,12 @@
 """The whole chain on the built-in news world, one command, CPU:
 
-    news world -> base -> traces -> corpus -> SFT -> Dr. GRPO -> eval -> distill -> headline table
-
-    python pipeline.py                  # the chain (about 14 minutes on two cores)
-    python pipeline.py --full           # + the rules-only RL baseline, the three ablations, SFT without masking
+    python pipeline.py                  # SmolLM2-135M-Instruct: zero-shot -> traces -> SFT -> Dr. GRPO -> student, 3 seeds
+    python pipeline.py --seeds 1        # one seed (a third of the time, no spreads)
+    python pipeline.py --full           # + SFT without masking, the rules-only RL baseline and three ablations
+    python pipeline.py --profile tiny   # the tiny 1M-parameter chain from scratch (base stage included): a fast look
     python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
-    python pipeline.py --only sft,rl    # just these stages (their inputs must exist)
-    python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override
+    python pipeline.py --only sft,rl    # just these stages, every seed (their inputs must exist)
+    python pipeline.py --set sft.epochs=1 --set rl.steps=4   # a stage's key=value override, every seed
     python pipeline.py --profile cnn_qwen3_4b --dry-run       # the real-data chain for one GPU, its commands
     python pipeline.py --profile cnn_qwen3_4b --smoke         # that chain on a CPU with tiny stand-ins (minutes)
 
@@ -17,15 +17,23 @@ from its newest checkpoint: every trainer runs with resume=auto), and reads the
 stages' JSON outputs into one table. To change a stage, edit its config; to
 add one, add a `Stage`.
 
-The stages: the news world's documents and their leak-cluster split; the base
-stage (the tiny policy learns to summarise, tool-free, from freshly generated
-documents: the CPU stand-in for a pretrained model); traces drafted by that
-base model (its own errors) and by the rule-based drafter, fact-checked by the
-world's oracle; the filtered corpus; error-masked SFT; Dr. GRPO; evaluation of
-base, SFT and RL on the whole eval pool; distillation.
+Seeds (`--seeds N`): the trace draw, SFT, RL and distillation run once per seed,
+seed 0 with the configs as they are and seed k >= 1 with `seed=k` and its own
+output paths (suffix `_sK`); the untrained start is shared. Every figure of the
+table is then the mean over seeds with its min-max beside it, and a step from
+one row to the next counts as a rise only when it is larger than both rows'
+spreads.
+
+The smollm profile (the default): the news world's documents and their
+leak-cluster split; SmolLM2's zero-shot evaluation; per seed, traces from its
+own drafts and from the rule-based drafter, fact-checked by the world's oracle;
+the filtered corpus; error-masked LoRA SFT; Dr. GRPO; a distilled student; the
+evaluation of SFT, RL and student on the whole eval pool. The tiny profile has a
+base stage first (a 1M-parameter model learns to summarise from scratch, the CPU
+stand-in for pretraining) and evaluates base, SFT and RL.
 
 The headline table goes to stdout and to runs/pipeline/headline.md (with the
-project's milestones and the news-world targets marked met / not met), its
+profile's targets and the project's milestones marked met / not met), its
 figures to runs/pipeline/headline.json.
 """
 from __future__ import annotations
@@ -33,11 +41,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import common
 
@@ -51,38 +61,199 @@ class Stage:
     output: str  # the file or directory that exists once the stage has finished
     full_only: bool = False  # run with --full only
     checkpoints: bool = False  # resumes from its checkpoints (--fresh passes resume=none)
+    seed: int | None = None  # the seed this stage runs for (None: shared by every seed)
 
+    @property
+    def label(self) -> str:
+        """The name, and the seed after it for seeds >= 1 (seed 0 runs the configs as they are)."""
+        return f"{self.name}[s{self.seed}]" if self.seed else self.name
+
+
+def suffix(seed: int) -> str:
+    """Seed 0 writes where the configs say; seed k >= 1 appends `_sK`."""
+    return f"_s{seed}" if seed else ""
+
+
+def seeded(seed: int, *over: str) -> list[str]:
+    """The overrides that make a stage seed k's: `seed=k` and its own outputs (none for seed 0)."""
+    return [f"seed={seed}", *over] if seed else []
+
+
+# ---------------------------------------------------------------------------
+# The news-world chains: SmolLM2 (default) and the tiny model
+# ---------------------------------------------------------------------------
 
 DOCS, SPLIT = "out/newsworld/docs.jsonl", "out/newsworld/split.json"
-BASE, SFT, RL = "runs/base_tiny/final", "runs/sft_tiny/final", "runs/rl_tiny/final"
-SFT_NOMASK = "runs/sft_tiny_nomask/final"
-ABLATIONS = {  # run name -> config: the --full rows of the table
-    "rl_tiny_rules_only": "configs/ablation_rules_only.yaml",
-    "rl_tiny_no_delete": "configs/ablation_no_delete.yaml",
-    "rl_tiny_no_search": "configs/ablation_no_search.yaml",
-    "rl_tiny_no_budget": "configs/ablation_no_budget.yaml",
-}
-STAGES = [
+WORLD = [
     Stage("docs", ["data.py", "newsworld", "--n", "1000", "--seed", "0", "--out", DOCS], DOCS),
     Stage("split", ["data.py", "split", "--docs", DOCS, "--out", SPLIT], SPLIT),
-    Stage("base", ["sft.py", "--config", "configs/base_tiny.yaml"], BASE, checkpoints=True),
-    Stage("traces", ["synth_traces.py", "--config", "configs/synth_newsworld.yaml"], "out/traces/newsworld.jsonl"),
-    Stage("traces_rules", ["synth_traces.py", "--config", "configs/synth_rules.yaml"], "out/traces/rules.jsonl"),
-    Stage("corpus", ["filter_traces.py", "--config", "configs/filter_newsworld.yaml"],
-          "out/corpus/newsworld/train.jsonl"),
-    Stage("sft", ["sft.py", "--config", "configs/sft_tiny.yaml"], SFT, checkpoints=True),
-    Stage("sft_nomask", ["sft.py", "--config", "configs/sft_tiny.yaml", "name=sft_tiny_nomask", "mask_retracted=false"],
-          SFT_NOMASK, full_only=True, checkpoints=True),
-    Stage("rl", ["rl.py", "--config", "configs/tiny.yaml"], RL, checkpoints=True),
-    *[Stage(name, ["rl.py", "--config", cfg], f"runs/{name}/final", full_only=True, checkpoints=True)
-      for name, cfg in ABLATIONS.items()],
-    Stage("eval", ["eval.py", "--config", "configs/eval_tiny.yaml", "--compare", BASE, SFT, RL],
-          "runs/eval_tiny/eval.json"),
-    Stage("eval_full", ["eval.py", "--config", "configs/eval_tiny.yaml", "name=eval_tiny_full", "--compare", SFT_NOMASK,
-                        *[f"runs/{n}/final" for n in ABLATIONS]], "runs/eval_tiny_full/eval.json", full_only=True),
-    Stage("distill", ["distill.py", "--config", "configs/distill_tiny.yaml"], "runs/distill_tiny/distill.json",
-          checkpoints=True),
 ]
+
+
+@dataclass
+class Chain:
+    """A news-world profile: what each stage writes per seed and what the headline reads."""
+    name: str  # run-name stem: sft_NAME, rl_NAME, eval_NAME, distill_NAME
+    start: tuple[str, str]  # (row label, model directory) of the untrained start, shared by every seed
+    traces: str  # trace-file stem: out/traces/TRACES.jsonl (the model's drafts) and RULES.jsonl
+    rules: str
+    corpus: str  # out/corpus/CORPUS
+    ablations: dict[str, str]  # --full: RL run name -> its config (extends the chain's RL config)
+    seeds: int  # the default --seeds
+    targets: Callable[[dict], list[tuple[str, str, bool | None]]]
+    # the student is evaluated with SFT and RL on the whole pool (its table row and the
+    # distillation table come from there); else distill.py's own comparison is read
+    eval_student: bool = False
+
+    def run(self, stage: str, seed: int) -> str:
+        return f"runs/{stage}_{self.name}{suffix(seed)}"
+
+    def sft(self, seed: int) -> str:
+        return self.run("sft", seed) + "/final"
+
+    def rl(self, seed: int) -> str:
+        return self.run("rl", seed) + "/final"
+
+    def nomask(self, seed: int) -> str:
+        return self.run("sft", seed) + "_nomask/final"
+
+    def ablation(self, name: str, seed: int) -> str:
+        return f"runs/{name}{suffix(seed)}/final"
+
+    def student(self, seed: int) -> str:
+        return self.run("distill", seed) + "/final"
+
+    def rows(self, seeds: int, full: bool) -> list[tuple[str, list[str]]]:
+        """(label, model directory of each seed) of every table row."""
+        ss = range(seeds)
+        rows = [(self.start[0], [self.start[1]]), ("SFT (tools)", [self.sft(s) for s in ss]),
+                ("Dr. GRPO", [self.rl(s) for s in ss])]
+        if self.eval_student:
+            rows += [("student (no tools)", [self.student(s) for s in ss])]
+        if full:
+            rows += [("SFT, errors not masked", [self.nomask(s) for s in ss])]
+            rows += [(ablation_label(n), [self.ablation(n, s) for s in ss]) for n in self.ablations]
+        return rows
+
+
+def ablation_label(run_name: str) -> str:
+    """rl_tiny_no_delete -> 'RL no delete'."""
+    return "RL " + run_name.split("_", 2)[2].replace("_", " ")
+
+
+def chain_stages(c: Chain, seeds: int, cfg: dict[str, str], base: list[Stage]) -> list[Stage]:
+    """The chain `c` for `seeds` seeds: the world, `base` (shared), then each seed's
+    traces, corpus, SFT, RL and distillation and their evaluation. `cfg` names each
+    stage's config file."""
+    stages = [*WORLD, *base]
+    for s in range(seeds):
+        x = suffix(s)
+        traces, rules = f"out/traces/{c.traces}{x}.jsonl", f"out/traces/{c.rules}{x}.jsonl"
+        corpus = f"out/corpus/{c.corpus}{x}"
+        corpus_over = [f"traces=[{traces},{rules}]", f"out_dir={corpus}"] if s else []
+        data_over = [f"data.train={corpus}/train.jsonl", f"data.eval={corpus}/eval.jsonl"] if s else []
+        # seed 0's evaluation holds the untrained start too, unless a stage of `base` evaluates it
+        start = [c.start[1]] if s == 0 and not any(st.output.endswith("eval.json") for st in base) else []
+        evals = [*start, c.sft(s), c.rl(s), *([c.student(s)] if c.eval_student else [])]
+        stages += [
+            Stage("traces", ["synth_traces.py", "--config", cfg["traces"], *seeded(s, f"out_path={traces}")], traces,
+                  seed=s),
+            Stage("traces_rules", ["synth_traces.py", "--config", cfg["traces_rules"], *seeded(s, f"out_path={rules}")],
+                  rules, seed=s),
+            Stage("corpus", ["filter_traces.py", "--config", cfg["corpus"], *corpus_over], f"{corpus}/train.jsonl",
+                  seed=s),
+            Stage("sft", ["sft.py", "--config", cfg["sft"], *seeded(s, f"name=sft_{c.name}{x}", *data_over)],
+                  c.sft(s), checkpoints=True, seed=s),
+            Stage("sft_nomask", ["sft.py", "--config", cfg["sft"], f"name=sft_{c.name}{x}_nomask", "mask_retracted=false",
+                                 *seeded(s, *data_over)], c.nomask(s), full_only=True, checkpoints=True, seed=s),
+            Stage("rl", ["rl.py", "--config", cfg["rl"], *seeded(s, f"name=rl_{c.name}{x}", f"init={c.sft(s)}")],
+                  c.rl(s), checkpoints=True, seed=s),
+            *[Stage(n, ["rl.py", "--config", ablation, *seeded(s, f"name={n}{x}", f"init={c.sft(s)}")],
+                    c.ablation(n, s), full_only=True, checkpoints=True, seed=s) for n, ablation in c.ablations.items()],
+            Stage("distill", ["distill.py", "--config", cfg["distill"],
+                              *seeded(s, f"name=distill_{c.name}{x}", f"teacher={c.rl(s)}")],
+                  f"{c.run('distill', s)}/distill.json", checkpoints=True, seed=s),
+            Stage("eval", ["eval.py", "--config", cfg["eval"], *seeded(s, f"name=eval_{c.name}{x}"), "--compare",
+                           *evals], f"{c.run('eval', s)}/eval.json", seed=s),
+            Stage("eval_full", ["eval.py", "--config", cfg["eval"], f"name=eval_{c.name}{x}_full", *seeded(s),
+                                "--compare", c.nomask(s), *[c.ablation(n, s) for n in c.ablations]],
+                  f"{c.run('eval', s)}_full/eval.json", full_only=True, seed=s),
+        ]
+    return stages
+
+
+def _tiny_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
+    base, sft, rl = fig["start"], fig["sft"], fig["rl"]
+    fp = [m.get("fact_precision") for m in (base, sft, rl)]
+    hall = [m.get("hallucination_rate") for m in (base, sft, rl)]
+    return [
+        ("fact precision rises: base < SFT < Dr. GRPO", " -> ".join(map(_pct, fp)), _rising(*fp)),
+        ("hallucination falls with it", " -> ".join(map(_pct, hall)),
+         _rising(*[-h if not _missing(h) else h for h in hall])),
+        ("tool AUC >= 0.75 after SFT", _num(sft.get("tool_auc"), "{:.2f}"), _ge(sft.get("tool_auc"), 0.75)),
+        ("tool AUC >= 0.85 after Dr. GRPO", _num(rl.get("tool_auc"), "{:.2f}"), _ge(rl.get("tool_auc"), 0.85)),
+        ("searches return the sentence holding the fact >= 80% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
+         _ge(rl.get("search_found_fact"), 0.80)),
+        ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
+    ]
+
+
+def _smollm_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
+    zs, sft, rl = fig["start"], fig["sft"], fig["rl"]
+    per = fig["per_seed"]
+    fp = [m.get("fact_precision") for m in (zs, sft, rl)]
+    steps = [_step_up(per["start"], per["sft"], "fact_precision"), _step_up(per["sft"], per["rl"], "fact_precision")]
+    rises = None if None in steps else all(steps)
+    return [
+        ("fact precision rises zero-shot -> SFT -> Dr. GRPO, each step beyond the seed spread",
+         " -> ".join(map(_pct, fp)), rises),
+        ("fact precision >= 95% after Dr. GRPO", _pct(rl.get("fact_precision")), _ge(rl.get("fact_precision"), 0.95)),
+        ("hallucination <= 30% after Dr. GRPO", _pct(rl.get("hallucination_rate")),
+         _ge(-rl.get("hallucination_rate", math.nan), -0.30)),
+        ("searches return the sentence holding the checked fact >= 90% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
+         _ge(rl.get("search_found_fact"), 0.90)),
+        ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
+        ("tool AUC >= 0.80 after SFT", _num(sft.get("tool_auc"), "{:.2f}"), _ge(sft.get("tool_auc"), 0.80)),
+        ("tool AUC >= 0.90 after Dr. GRPO", _num(rl.get("tool_auc"), "{:.2f}"), _ge(rl.get("tool_auc"), 0.90)),
+    ]
+
+
+TINY = Chain("tiny", ("base (no tools)", "runs/base_tiny/final"), "newsworld", "rules", "newsworld",
+             {"rl_tiny_rules_only": "configs/ablation_rules_only.yaml",
+              "rl_tiny_no_delete": "configs/ablation_no_delete.yaml",
+              "rl_tiny_no_search": "configs/ablation_no_search.yaml",
+              "rl_tiny_no_budget": "configs/ablation_no_budget.yaml"}, seeds=1, targets=_tiny_targets)
+SMOLLM = Chain("smollm", ("zero-shot (no tools)", "out/models/smollm2-135m"), "smollm", "rules_smollm", "smollm",
+               {"rl_smollm_rules_only": "configs/ablation_smollm_rules_only.yaml",
+                "rl_smollm_no_delete": "configs/ablation_smollm_no_delete.yaml",
+                "rl_smollm_no_search": "configs/ablation_smollm_no_search.yaml",
+                "rl_smollm_no_budget": "configs/ablation_smollm_no_budget.yaml"}, seeds=3, targets=_smollm_targets,
+               eval_student=True)
+
+
+def tiny_stages(seeds: int = 1) -> list[Stage]:
+    base = Stage("base", ["sft.py", "--config", "configs/base_tiny.yaml"], TINY.start[1], checkpoints=True)
+    return chain_stages(TINY, seeds, {
+        "traces": "configs/synth_newsworld.yaml", "traces_rules": "configs/synth_rules.yaml",
+        "corpus": "configs/filter_newsworld.yaml", "sft": "configs/sft_tiny.yaml", "rl": "configs/tiny.yaml",
+        "distill": "configs/distill_tiny.yaml", "eval": "configs/eval_tiny.yaml"}, [base])
+
+
+def smollm_stages(seeds: int = 3) -> list[Stage]:
+    # zero-shot: the pretrained model as it is, tools banned (it has never seen them); greedy, so shared by seeds
+    zero_shot = Stage("zero_shot", ["eval.py", "--config", "configs/eval_smollm.yaml", "name=eval_smollm_zero_shot",
+                                    "tools=none", "--compare", "smollm2-135m"], "runs/eval_smollm_zero_shot/eval.json")
+    return chain_stages(SMOLLM, seeds, {
+        "traces": "configs/synth_smollm.yaml", "traces_rules": "configs/synth_rules_smollm.yaml",
+        "corpus": "configs/filter_smollm.yaml", "sft": "configs/sft_smollm.yaml", "rl": "configs/rl_smollm.yaml",
+        "distill": "configs/distill_smollm.yaml", "eval": "configs/eval_smollm.yaml"}, [zero_shot])
+
+
+# The tiny chain with one seed, as the README's stage table gives it.
+STAGES = tiny_stages(1)
+BASE, SFT, RL = TINY.start[1], TINY.sft(0), TINY.rl(0)
+SFT_NOMASK = TINY.nomask(0)
+ABLATIONS = TINY.ablations
 
 # The real-data chain for one GPU (CNN/DailyMail, Qwen3-4B through Unsloth, an
 # OpenAI-compatible teacher): the recipe's stages in order. `--dry-run` prints it.
@@ -111,7 +282,22 @@ CNN_STAGES = [
     Stage("distill", ["distill.py", "--config", "configs/distill_cnn.yaml"], "runs/distill_cnn/distill.json",
           checkpoints=True),
 ]
-PROFILES = {"newsworld": STAGES, "cnn_qwen3_4b": CNN_STAGES}
+CHAINS = {"smollm": SMOLLM, "tiny": TINY}
+PROFILES: dict[str, Callable[[int], list[Stage]]] = {
+    "smollm": smollm_stages, "tiny": tiny_stages, "cnn_qwen3_4b": lambda seeds: list(CNN_STAGES)}
+
+
+def profile_stages(profile: str, seeds: int | None = None) -> list[Stage]:
+    """The stages of `profile` for `seeds` seeds (default: the profile's own count)."""
+    if profile not in PROFILES:
+        raise SystemExit(f"pipeline: unknown profile {profile!r}; profiles: {sorted(PROFILES)}")
+    chain = CHAINS.get(profile)
+    n = seeds if seeds is not None else (chain.seeds if chain else 1)
+    if n < 1 or (chain is None and n != 1):
+        raise SystemExit(f"pipeline: --seeds {n}: " + ("must be >= 1" if n < 1 else
+                                                         f"the {profile} profile runs one seed"))
+    return PROFILES[profile](n)
+
 
 # --smoke: the same chain, the same configs, on a CPU in a few minutes. Only models,
 # data and step counts are overridden: every model is a tiny preset (hf backend, no
@@ -175,14 +361,14 @@ def run_stage(stage: Stage, cwd: Path) -> float:
     script, *rest = stage.argv
     rest = [str(ROOT / a) if a.startswith("configs/") else a for a in rest]
     cmd = [sys.executable, str(ROOT / script), *rest]
-    print(f"\n=== {stage.name}: {' '.join(['python', *stage.argv])}", flush=True)
+    print(f"\n=== {stage.label}: {' '.join(['python', *stage.argv])}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, cwd=cwd)
     if rc != 0:
-        raise SystemExit(f"pipeline: stage {stage.name!r} failed (exit {rc}); rerun it alone with\n"
+        raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit {rc}); rerun it alone with\n"
                          f"  python {' '.join(stage.argv)}\nthen `python pipeline.py` continues from there")
     if not (cwd / stage.output).exists():
-        raise SystemExit(f"pipeline: stage {stage.name!r} finished but did not write {stage.output}")
+        raise SystemExit(f"pipeline: stage {stage.label!r} finished but did not write {stage.output}")
     return time.perf_counter() - t0
 
 
@@ -212,11 +398,6 @@ def _points(gap: float) -> str:
     return f"factuality {abs(gap):.1f} points {'below' if gap > 0 else 'above'} the teacher"
 
 
-ROWS = [  # (label, model directory): the table's rows, --full rows after the first three
-    ("base (no tools)", BASE), ("SFT (tools)", SFT), ("Dr. GRPO", RL),
-    ("SFT, errors not masked", SFT_NOMASK),
-    *[(name.replace("rl_tiny_", "RL ").replace("_", " "), f"runs/{name}/final") for name in ABLATIONS],
-]
 COLUMNS = [  # (header, metric, format)
     ("fact precision", "fact_precision", "pct"), ("hallucination", "hallucination_rate", "pct"),
     ("errors / summary", "errors_per_summary", "{:.2f}"), ("combined pass", "pass", "pct"),
@@ -231,71 +412,99 @@ def _cell(x, fmt: str) -> str:
     return _pct(x) if fmt == "pct" else _num(x, fmt)
 
 
+def _seed_cell(xs: list, fmt: str) -> str:
+    """One seed's figure, or the mean over seeds with its min-max."""
+    xs = [x for x in xs if not _missing(x)]
+    if len(xs) <= 1:
+        return _cell(xs[0] if xs else None, fmt)
+    lo, hi = (_cell(min(xs), fmt), _cell(max(xs), fmt))
+    return f"{_cell(statistics.fmean(xs), fmt)} ({lo}-{hi})"
+
+
+def mean_metrics(per_seed: list[dict]) -> dict:
+    """Each numeric metric's mean over the seeds that measured it (NaN where none did);
+    a text entry (a model's path) is kept from the first seed that has it."""
+    keys = dict.fromkeys(k for m in per_seed for k in m)
+    numeric = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    return {k: common.mean(m.get(k) for m in per_seed if numeric(m.get(k)))
+            if any(numeric(m.get(k)) for m in per_seed) else next(m[k] for m in per_seed if k in m) for k in keys}
+
+
+def _step_up(a: list[dict], b: list[dict], key: str) -> bool | None:
+    """Whether `key` rises from rows a to b by more than either row's spread over seeds."""
+    xa, xb = [m.get(key) for m in a], [m.get(key) for m in b]
+    if not xa or not xb or any(_missing(x) for x in xa + xb):
+        return None
+    return statistics.fmean(xb) - statistics.fmean(xa) > max(max(xa) - min(xa), max(xb) - min(xb))
+
+
 def _rising(*xs) -> bool | None:
     return None if any(_missing(x) for x in xs) else all(a < b for a, b in zip(xs, xs[1:]))
 
 
-def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None = None,
-             seconds: dict[str, float] | None = None) -> tuple[str, dict]:
-    """(markdown, figures) of the pipeline's outcome: base, SFT and Dr. GRPO (and
-    with --full the baselines and ablations) on the held-out pool, the issue's
-    news-world targets and the project's milestones, each marked met or not met."""
-    models = {m["model"]: m["metrics"] for j in (eval_json, full_json or {}) for m in j.get("models", [])}
-    base, sft, rl = models.get(BASE, {}), models.get(SFT, {}), models.get(RL, {})
-    backend = eval_json.get("factuality_backend", "?")
-    rows = [(label, models[path]) for label, path in ROWS if path in models]
-    lines = [f"Held-out news world, {eval_json.get('n_docs', '?')} documents (the whole eval pool), greedy; "
+def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds: int = 1, full: bool = False,
+             seconds: dict[str, float] | None = None, n_docs=None, backend: str = "?") -> tuple[str, dict]:
+    """(markdown, figures) of a news-world chain's outcome: its rows (the untrained
+    start, SFT, Dr. GRPO and, with --full, the baselines and ablations) on the
+    held-out pool, each the mean over seeds with its min-max, the chain's targets and
+    the project's milestones marked met or not met. `models` maps a model directory
+    to its eval.py metrics; `distills` holds each seed's distill.json."""
+    rows = [(label, [models[p] for p in paths if p in models]) for label, paths in chain.rows(seeds, full)]
+    rows = [(label, per) for label, per in rows if per]
+    by_label = dict(rows)
+    start, sft, rl = (by_label.get(k, []) for k in (chain.start[0], "SFT (tools)", "Dr. GRPO"))
+    spread = f", mean over {seeds} seeds (min-max)" if seeds > 1 else ""
+    lines = [f"Held-out news world, {n_docs or '?'} documents (the whole eval pool), greedy{spread}; "
              f"factuality: {backend}. Fact precision: the names, numbers and dates stated that the oracle "
              "supports; tool AUC: the search/delete decision as a detector of the policy's wrong sentences.", "",
              "| model | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    for label, m in rows:
-        lines.append(f"| {label} | " + " | ".join(_cell(m.get(k), f) for _, k, f in COLUMNS) + " |")
-    fams = sorted({k[4:-len("_fact_precision")] for m in (base, sft, rl) for k in m
+    for label, per in rows:
+        lines.append(f"| {label} | " + " | ".join(_seed_cell([m.get(k) for m in per], f) for _, k, f in COLUMNS) + " |")
+    mean = {label: mean_metrics(per) for label, per in rows}
+    base_m, sft_m, rl_m = (mean.get(k, {}) for k in (chain.start[0], "SFT (tools)", "Dr. GRPO"))
+    fams = sorted({k[4:-len("_fact_precision")] for m in (base_m, sft_m, rl_m) for k in m
                    if k.startswith("fam_") and k.endswith("_fact_precision")})
     if fams:
         lines += ["", "| fact precision by event family | " + " | ".join(fams) + " |", "|---" * (len(fams) + 1) + "|"]
-        lines += [f"| {label} | " + " | ".join(_pct(m.get(f"fam_{f}_fact_precision")) for f in fams) + " |"
-                  for label, m in rows[:3]]
-    fig = {"base": base, "sft": sft, "rl": rl, "factuality_backend": backend,
-           "rows": {label: m for label, m in rows}}
+        lines += [f"| {label} | " + " | ".join(_pct(mean[label].get(f"fam_{f}_fact_precision")) for f in fams) + " |"
+                  for label, _ in rows[:3]]
+    fig = {"start": base_m, "sft": sft_m, "rl": rl_m, "factuality_backend": backend, "seeds": seeds,
+           "rows": mean, "per_seed": {"start": start, "sft": sft, "rl": rl, **{k: v for k, v in rows}}}
+    # the tiny chain's table names its start "base"
+    fig["base"] = base_m
     student_ok, student_shown, speed_ok, speed_shown = None, "-", None, "-"
-    if distill_json:
-        t, s = distill_json.get("teacher", {}), distill_json.get("student", {})
-        lines += ["", "| distillation | p50 ms per summary | factuality | combined pass |", "|---|---|---|---|",
-                  f"| teacher (Dr. GRPO policy, tools) | {_num(t.get('latency_p50_ms'), '{:.0f}')} | "
-                  f"{_pct(t.get('factuality'))} | {_pct(t.get('pass'))} |",
-                  f"| student (no tools) | {_num(s.get('latency_p50_ms'), '{:.0f}')} | {_pct(s.get('factuality'))} | "
-                  f"{_pct(s.get('pass'))} |"]
+    if chain.eval_student:  # teacher and student measured side by side on the whole pool
+        distills = [{"teacher": models[chain.rl(s)], "student": models[chain.student(s)]} for s in range(seeds)
+                    if chain.rl(s) in models and chain.student(s) in models]
+    if distills:
+        t = mean_metrics([d.get("teacher", {}) for d in distills])
+        s = mean_metrics([d.get("student", {}) for d in distills])
+        cells = lambda who, k, f: _seed_cell([d.get(who, {}).get(k) for d in distills], f)  # noqa: E731
+        lines += ["", "| distillation | p50 ms per summary | factuality | combined pass |", "|---|---|---|---|"]
+        for who, label in (("teacher", "teacher (Dr. GRPO policy, tools)"), ("student", "student (no tools)")):
+            lines.append(f"| {label} | {cells(who, 'latency_p50_ms', '{:.0f}')} | {cells(who, 'factuality', 'pct')} | "
+                         f"{cells(who, 'pass', 'pct')} |")
         fig["teacher"], fig["student"] = t, s
         ms, t_ms = s.get("latency_p50_ms"), t.get("latency_p50_ms")
         gap = 100 * ((t.get("factuality") or 0) - (s.get("factuality") or 0))
-        if ms is not None:
+        if not _missing(ms):
             student_ok = ms <= 100 and gap <= 2
             student_shown = f"{ms:.0f} ms, {_points(gap)}"
-        if ms and t_ms:
+        if not _missing(ms) and not _missing(t_ms) and ms:
             speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {_points(gap)}"
-    fp = [m.get("fact_precision") for m in (base, sft, rl)]
-    hall = [m.get("hallucination_rate") for m in (base, sft, rl)]
-    targets = [
-        ("fact precision rises: base < SFT < Dr. GRPO", " -> ".join(map(_pct, fp)), _rising(*fp)),
-        ("hallucination falls with it", " -> ".join(map(_pct, hall)),
-         _rising(*[-h if not _missing(h) else h for h in hall])),
-        ("tool AUC >= 0.75 after SFT", _num(sft.get("tool_auc"), "{:.2f}"), _ge(sft.get("tool_auc"), 0.75)),
-        ("tool AUC >= 0.85 after Dr. GRPO", _num(rl.get("tool_auc"), "{:.2f}"), _ge(rl.get("tool_auc"), 0.85)),
-        ("searches return the sentence holding the fact >= 80% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
-         _ge(rl.get("search_found_fact"), 0.80)),
-        ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
-    ]
+    targets = chain.targets(fig)
     # Milestones (M0-M3, README): each with its measured value.
-    rules_only = models.get("runs/rl_tiny_rules_only/final")
-    base_label = "the rules-only RL baseline" if rules_only else "the SFT start (run --full for the rules-only baseline)"
-    h0, h1 = (rules_only or sft).get("hallucination_rate"), rl.get("hallucination_rate")
+    rules_only = [m for label, m in mean.items() if label == "RL rules only"]
+    base_label = ("the rules-only RL baseline" if rules_only else
+                  "the SFT start (run --full for the rules-only baseline)")
+    h0, h1 = (rules_only[0] if rules_only else sft_m).get("hallucination_rate"), rl_m.get("hallucination_rate")
     drop = float("nan") if _missing(h0) or _missing(h1) or not h0 else (h0 - h1) / h0
     marks = [
-        ("tool calls valid >= 95% (after SFT)", _pct(sft.get("valid_call_rate")), _ge(sft.get("valid_call_rate"), 0.95)),
-        ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl.get("rules_pass")), _ge(rl.get("rules_pass"), 0.20)),
+        ("tool calls valid >= 95% (after SFT)", _pct(sft_m.get("valid_call_rate")),
+         _ge(sft_m.get("valid_call_rate"), 0.95)),
+        ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl_m.get("rules_pass")), _ge(rl_m.get("rules_pass"), 0.20)),
         (f"M1 hallucinations down >= 40% vs {base_label}", f"{_pct(h0)} -> {_pct(h1)}", _ge(drop, 0.40)),
-        ("M2 combined pass >= 60% (Dr. GRPO)", _pct(rl.get("pass")), _ge(rl.get("pass"), 0.60)),
+        ("M2 combined pass >= 60% (Dr. GRPO)", _pct(rl_m.get("pass")), _ge(rl_m.get("pass"), 0.60)),
         ("M3 student <= 100 ms per summary, factuality within 2 points", student_shown, student_ok),
         ("student >= 3x faster than its teacher, within 2 points (news world target)", speed_shown, speed_ok),
     ]
@@ -312,10 +521,27 @@ def headline(eval_json: dict, distill_json: dict | None, full_json: dict | None 
     return "\n".join(lines) + "\n", fig
 
 
+def read_outputs(stages: list[Stage], work: Path) -> tuple[dict[str, dict], list[dict], dict]:
+    """(model directory -> metrics, each seed's distill.json, the first eval.json) from
+    the eval and distill stages of `stages` that have finished in `work`."""
+    models, distills, first = {}, [], {}
+    for st in stages:
+        path = work / st.output
+        if not path.is_file():
+            continue
+        if st.name in ("eval", "eval_full", "zero_shot"):
+            ev = json.loads(path.read_text())
+            first = first or ev
+            models.update({m["model"]: m["metrics"] for m in ev.get("models", [])})
+        elif st.name == "distill":
+            distills.append(json.loads(path.read_text()))
+    return models, distills, first
+
+
 def stage_overrides(items: list[str], stages: list[Stage]) -> dict[str, list[str]]:
     """`--set STAGE.KEY=VALUE` items as {stage: [KEY=VALUE, ...]}; a malformed item or an
     unknown stage exits naming it and the stages."""
-    names = [s.name for s in stages]
+    names = list(dict.fromkeys(s.name for s in stages))
     extra: dict[str, list[str]] = {}
     for item in items:
         name, _, kv = item.partition(".")
@@ -328,9 +554,10 @@ def stage_overrides(items: list[str], stages: list[Stage]) -> dict[str, list[str
 def stage_names(csv: str, stages: list[Stage]) -> list[str]:
     """The stage names of a comma-separated `--only` list; an unknown one exits naming it and the stages."""
     only = [s for s in csv.split(",") if s]
-    unknown = set(only) - {s.name for s in stages}
+    names = list(dict.fromkeys(s.name for s in stages))
+    unknown = set(only) - set(names)
     if unknown:
-        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {[s.name for s in stages]}")
+        raise SystemExit(f"pipeline: unknown stage(s) {sorted(unknown)}; stages: {names}")
     return only
 
 
@@ -339,8 +566,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="newsworld", choices=sorted(PROFILES),
-                    help="newsworld: the CPU chain (default); cnn_qwen3_4b: the real-data chain for one GPU")
+    ap.add_argument("--profile", default="smollm", choices=sorted(PROFILES),
+                    help="smollm: the news-world chain with SmolLM2-135M-Instruct (default); tiny: the same chain with "
+                         "a 1M-parameter model from scratch; cnn_qwen3_4b: the real-data chain for one GPU")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="seeds of the trace draw, SFT, RL and distillation (default: smollm 3, tiny 1)")
     ap.add_argument("--dry-run", action="store_true", help="print the profile's stage commands in order and stop")
     ap.add_argument("--smoke", action="store_true",
                     help="(cnn_qwen3_4b) the same chain on a CPU in minutes: tiny models, the news world for the "
@@ -348,16 +578,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--full", action="store_true",
                     help="add the rules-only RL baseline, the three ablations and SFT without error masking")
     ap.add_argument("--fresh", action="store_true", help="rerun stages whose outputs exist")
-    ap.add_argument("--only", default="", help="comma-separated stage names: " + ", ".join(s.name for s in STAGES))
+    ap.add_argument("--only", default="", help="comma-separated stage names (every seed of each)")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
-                    help="an override for one stage's script, e.g. sft.epochs=1 (repeatable)")
+                    help="an override for one stage's script (every seed), e.g. sft.epochs=1 (repeatable)")
     ap.add_argument("--workdir", default=None, help="where out/ and runs/ go (default: here)")
     ap.add_argument("--out", default="runs/pipeline", help="where the headline table goes (in workdir)")
     args = ap.parse_args(argv)
-    stages = PROFILES[args.profile]
-    if args.smoke and args.profile == "newsworld":
-        raise SystemExit("pipeline: --smoke is for a GPU profile (--profile cnn_qwen3_4b); the newsworld chain is "
-                         "already the CPU one")
+    stages = profile_stages(args.profile, args.seeds)
+    if args.smoke and args.profile != "cnn_qwen3_4b":
+        raise SystemExit(f"pipeline: --smoke is for a GPU profile (--profile cnn_qwen3_4b); the {args.profile} chain "
+                         "already runs on a CPU")
     if args.smoke:
         stages = [smoke_stage(st) for st in stages]
     extra = stage_overrides(args.set, stages)
@@ -365,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:
         for stage in stages:
             if selected(stage, only, args.full):
-                print(f"{stage.name:12s} python {' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
+                print(f"{stage.label:14s} python {' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
         return {}
     work = Path(args.workdir or (f"out/smoke/{args.profile}" if args.smoke else ".")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -378,14 +608,15 @@ def main(argv: list[str] | None = None) -> dict:
         if not selected(stage, only, args.full):
             continue
         if (work / stage.output).exists() and not args.fresh and stage.name not in only:
-            print(f"=== {stage.name}: {stage.output} exists, skipped (--fresh reruns it)")
+            print(f"=== {stage.label}: {stage.output} exists, skipped (--fresh reruns it)")
             continue
+        over = list(extra.get(stage.name, []))
         if args.fresh and stage.checkpoints:  # a fresh rerun must not resume the old run
-            extra.setdefault(stage.name, []).append("resume=none")
+            over.append("resume=none")
         elif args.fresh and (work / stage.output).is_file():
             # nor build on an old output: synth resumes an existing trace file, and a frozen split refuses a rewrite
             (work / stage.output).unlink()
-        stage = with_overrides(stage, extra.get(stage.name, []))
+        stage = with_overrides(stage, over)
         if any("{api}" in a for a in stage.argv):  # --smoke: the oracle teacher, started once the documents exist
             if server is None:
                 import data
@@ -393,24 +624,23 @@ def main(argv: list[str] | None = None) -> dict:
 
                 api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
             stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])
-        seconds[stage.name] = run_stage(stage, work)
+        seconds[stage.label] = run_stage(stage, work)
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
     if server is not None:
         server.shutdown()
-    if args.profile != "newsworld":
+    chain = CHAINS.get(args.profile)
+    if chain is None:
         report = work / "runs/eval_cnn/report.md"
         print(f"pipeline: {args.profile} done in {time.perf_counter() - t_start:.0f} s this call"
               + (f"; the evaluation is in {report.relative_to(work)}" if report.exists() else ""))
         return {}
-    eval_path = work / "runs/eval_tiny/eval.json"
-    if not eval_path.exists():
-        print("pipeline: no evaluation yet; the headline table needs the eval stage")
+    models, distills, first = read_outputs([s for s in stages if args.full or not s.full_only], work)
+    if not models:
+        print("pipeline: no evaluation yet; the headline table needs the eval stages")
         return {}
-    full_path = work / "runs/eval_tiny_full/eval.json"
-    distill_path = work / "runs/distill_tiny/distill.json"
-    md, fig = headline(json.loads(eval_path.read_text()),
-                       json.loads(distill_path.read_text()) if distill_path.exists() else None,
-                       json.loads(full_path.read_text()) if args.full and full_path.exists() else None, seconds)
+    seeds = max(s.seed for s in stages if s.seed is not None) + 1
+    md, fig = headline(chain, models, distills, seeds, args.full, seconds, first.get("n_docs"),
+                       first.get("factuality_backend", "?"))
     common.atomic_write_text(out / "headline.md", md)
     common.atomic_write_text(out / "headline.json", json.dumps(fig, indent=1, default=str))
     print("\n" + md)

@@ -18,7 +18,7 @@ from settings import ConfigError, config_errors_exit, load_config
 
 
 # ---------------------------------------------------------------------------
-# GPU memory planner (DESIGN section 8)
+# GPU memory planner (DESIGN section 9)
 # ---------------------------------------------------------------------------
 # Pure arithmetic on a model's shape, so it runs anywhere and before any
 # download. Units: GiB (2**30 bytes) throughout; the cards are taken as 24, 48,

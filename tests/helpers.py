@@ -128,7 +128,7 @@ def killed_after_checkpoint(monkeypatch, step: int):
 
 # configs/ file-name prefix -> the script whose Config loads it. The longest prefix wins.
 SCRIPT_FOR_PREFIX = {
-    "sft_": "sft", "base_": "sft", "drgrpo_": "rl", "tiny": "rl", "synth_": "synth_traces",
+    "sft_": "sft", "base_": "sft", "drgrpo_": "rl", "tiny": "rl", "rl_": "rl", "synth_": "synth_traces",
     "filter_": "filter_traces", "eval_": "eval", "distill_": "distill", "ablation_": "rl",
     "rejection_": "sft", "teacher_sft_": "sft", "kto_": "sft", "teacher_": "teacher_episodes",
     "monitor": "monitor",

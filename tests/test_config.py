@@ -526,7 +526,7 @@ def test_the_shared_modules_import_only_the_layers_below_them():
 @pytest.mark.parametrize("filename, script", [
     ("sft_warmup.yaml", "sft"), ("drgrpo_v17.yaml", "rl"), ("tiny.yaml", "rl"),
     ("tiny_cpu.yaml", "rl"), ("eval_heldout.yaml", "eval"), ("notes.yaml", None),
-    ("rl_v17.yaml", None), ("base_tiny.yaml", "sft"),
+    ("rl_smollm.yaml", "rl"), ("base_tiny.yaml", "sft"),
 ])
 def test_script_for(filename, script):
     assert script_for(filename) == script

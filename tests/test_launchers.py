@@ -18,7 +18,7 @@ NOTEBOOK = ROOT / "notebooks" / "colab.ipynb"
 def test_modal_runs_the_pipelines_own_stage_commands():
     assert modal_app.plan("cnn_qwen3_4b", "sft,rl_v19", ["sft.epochs=1"]) == [
         "python", "pipeline.py", "--profile", "cnn_qwen3_4b", "--only", "sft,rl_v19", "--set", "sft.epochs=1"]
-    assert modal_app.plan("newsworld", "all", []) == ["python", "pipeline.py", "--profile", "newsworld"]
+    assert modal_app.plan("tiny", "all", []) == ["python", "pipeline.py", "--profile", "tiny"]
     out = subprocess.run([sys.executable, "modal_app.py", "--stage", "sft,rl_v19", "--set", "sft.epochs=1",
                           "--gpu", "H100", "--dry-run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     stages = {s.name: s for s in pipeline.CNN_STAGES}
@@ -28,8 +28,8 @@ def test_modal_runs_the_pipelines_own_stage_commands():
 
 
 @pytest.mark.parametrize("args, named", [
-    (("nope", "all", []), "nope"), (("newsworld", "sft,bogus", []), "bogus"), (("newsworld", "", []), "stage"),
-    (("newsworld", "all", ["sft:epochs=1"]), "sft:epochs=1"),
+    (("nope", "all", []), "nope"), (("tiny", "sft,bogus", []), "bogus"), (("smollm", "", []), "stage"),
+    (("smollm", "all", ["sft:epochs=1"]), "sft:epochs=1"),
 ])
 def test_modal_refuses_unknown_profiles_stages_and_overrides(args, named):
     with pytest.raises(SystemExit, match=named):
@@ -37,7 +37,7 @@ def test_modal_refuses_unknown_profiles_stages_and_overrides(args, named):
 
 
 def test_planning_never_imports_modal():
-    code = "import sys, modal_app; modal_app.plan('newsworld', 'all', []); assert 'modal' not in sys.modules"
+    code = "import sys, modal_app; modal_app.plan('smollm', 'all', []); assert 'modal' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -67,6 +67,6 @@ def test_the_notebook_plans_memory_and_lists_the_gpu_chain_on_a_cpu(tmp_path):
 
 
 def test_the_notebook_runs_the_tiny_profiles_first_stages_for_real(tmp_path):
-    out = run_notebook(tmp_path, profile="newsworld", extra=f"--only docs,split --workdir {tmp_path / 'w'}")
+    out = run_notebook(tmp_path, profile="tiny", extra=f"--only docs,split --workdir {tmp_path / 'w'}")
     assert "smoke False" in out
     assert (tmp_path / "w" / "out/newsworld/docs.jsonl").exists() and (tmp_path / "w" / "out/newsworld/split.json").exists()

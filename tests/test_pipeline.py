@@ -26,6 +26,13 @@ def _eval_json(models: dict[str, dict]) -> dict:
             "factuality_backend": "oracle (news world fact table)"}
 
 
+def _tiny(ev: dict, dist: dict | None = None, **kw):
+    """The tiny chain's headline from one eval.json (model -> metrics) and one distill.json."""
+    models = {m["model"]: m["metrics"] for m in ev["models"]}
+    return pipeline.headline(pipeline.TINY, models, [dist] if dist else [], n_docs=ev["n_docs"],
+                             backend=ev["factuality_backend"], **kw)
+
+
 def test_headline_marks_each_milestone_and_target_from_its_figure():
     ev = _eval_json({pipeline.BASE: _metrics(fact_precision=0.3, hallucination_rate=0.9, valid_call_rate=float("nan")),
                      pipeline.SFT: _metrics(hallucination_rate=0.8, valid_call_rate=0.96, fact_precision=0.6),
@@ -33,7 +40,7 @@ def test_headline_marks_each_milestone_and_target_from_its_figure():
                                            **{"pass": 0.65})})
     dist = {"teacher": {"latency_p50_ms": 150.0, "factuality": 0.60, "pass": 0.5},
             "student": {"latency_p50_ms": 40.0, "factuality": 0.59, "pass": 0.45}}
-    md, fig = pipeline.headline(ev, dist, seconds={"sft": 300.0, "rl": 200.0})
+    md, fig = _tiny(ev, dist, seconds={"sft": 300.0, "rl": 200.0})
     m, t = fig["milestones"], fig["targets"]
     assert m["tool calls valid >= 95% (after SFT)"] is True
     assert m["M0 rule pass >= 20% (Dr. GRPO)"] is True
@@ -52,7 +59,7 @@ def test_headline_marks_each_milestone_and_target_from_its_figure():
     slow = {"teacher": dist["teacher"], "student": {**dist["student"], "factuality": 0.5}}
     ev_bad = _eval_json({pipeline.SFT: _metrics(valid_call_rate=0.5, hallucination_rate=float("nan")),
                          pipeline.RL: _metrics(rules_pass=0.1, fact_precision=0.4, tool_auc=0.5)})
-    md, fig = pipeline.headline(ev_bad, slow)
+    md, fig = _tiny(ev_bad, slow)
     m, t = fig["milestones"], fig["targets"]
     assert m["tool calls valid >= 95% (after SFT)"] is False
     assert m["M0 rule pass >= 20% (Dr. GRPO)"] is False
@@ -69,12 +76,59 @@ def test_full_table_compares_hallucinations_with_the_rules_only_run():
     full = {f"runs/{n}/final": _metrics() for n in pipeline.ABLATIONS}
     full["runs/rl_tiny_rules_only/final"] = _metrics(hallucination_rate=0.6)
     full[pipeline.SFT_NOMASK] = _metrics(fact_precision=0.2)
-    md, fig = pipeline.headline(_eval_json(rows), None, full_json=_eval_json(full))
+    md, fig = _tiny(_eval_json({**rows, **full}), full=True)
     hall = next(k for k in fig["milestones"] if k.startswith("M1"))
     assert "rules-only" in hall and fig["milestones"][hall] is False  # 0.6 -> 0.5 is down 17%
     assert all(f"| RL {n.replace('rl_tiny_', '').replace('_', ' ')} |" in md for n in pipeline.ABLATIONS)
     assert "| SFT, errors not masked | 20.0% |" in md
     assert fig["milestones"]["M3 student <= 100 ms per summary, factuality within 2 points"] is None
+    md, fig = _tiny(_eval_json({**rows, **full}))  # without --full the ablation rows stay out
+    assert "RL no delete" not in md and "SFT start" in next(k for k in fig["milestones"] if k.startswith("M1"))
+
+
+def test_seeds_run_each_trained_stage_once_per_seed_with_its_own_outputs():
+    one, three = pipeline.profile_stages("tiny", 1), pipeline.profile_stages("tiny", 3)
+    assert [s.argv for s in three if s.seed in (None, 0)] == [s.argv for s in one]  # seed 0: the configs as they are
+    by = {(s.name, s.seed): s for s in three}
+    assert ("base", None) in by and ("base", 1) not in by  # the untrained start is shared
+    for name in ("traces", "traces_rules", "corpus", "sft", "rl", "distill", "eval"):
+        outs = {by[(name, k)].output for k in range(3)}
+        assert len(outs) == 3, name  # every seed writes its own
+        assert f"seed=2" in by[(name, 2)].argv or name == "corpus", name
+    assert "init=runs/sft_tiny_s2/final" in by[("rl", 2)].argv
+    assert "teacher=runs/rl_tiny_s2/final" in by[("distill", 2)].argv
+    assert "traces=[out/traces/newsworld_s1.jsonl,out/traces/rules_s1.jsonl]" in by[("corpus", 1)].argv
+    assert by[("eval", 1)].argv[-2:] == ["runs/sft_tiny_s1/final", "runs/rl_tiny_s1/final"]
+    assert by[("eval", 0)].argv[-3:] == [pipeline.BASE, pipeline.SFT, pipeline.RL]  # seed 0 holds the base row
+    smollm = {(s.name, s.seed): s for s in pipeline.profile_stages("smollm")}
+    assert ("zero_shot", None) in smollm and ("eval", 2) in smollm and ("eval", 3) not in smollm
+    assert smollm[("eval", 0)].argv[-3:] == ["runs/sft_smollm/final", "runs/rl_smollm/final",
+                                             "runs/distill_smollm/final"]
+    with pytest.raises(SystemExit, match="one seed"):
+        pipeline.profile_stages("cnn_qwen3_4b", 2)
+
+
+def test_the_table_shows_each_figure_over_seeds_with_its_spread():
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics(fact_precision=0.78, hallucination_rate=0.8)}
+    for s, (fp_sft, fp_rl) in enumerate([(0.90, 0.94), (0.92, 0.93), (0.91, 0.97)]):
+        models[c.sft(s)] = _metrics(fact_precision=fp_sft)
+        models[c.rl(s)] = _metrics(fact_precision=fp_rl, latency_p50_ms=300.0 + s)
+        models[c.student(s)] = _metrics(latency_p50_ms=90.0, factuality=0.6 - 0.01 * s)
+    md, fig = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    assert "| zero-shot (no tools) | 78.0% |" in md  # one figure: no spread
+    assert "| SFT (tools) | 91.0% (90.0%-92.0%) |" in md and "| Dr. GRPO | 94.7% (93.0%-97.0%) |" in md
+    assert "| student (no tools) |" in md and "mean over 3 seeds (min-max)" in md
+    rises = next(k for k in fig["targets"] if k.startswith("fact precision rises"))
+    # zero-shot -> SFT (+13 points) is beyond both spreads; SFT -> RL (+3.7) is not beyond RL's (4 points)
+    assert fig["targets"][rises] is False
+    assert pipeline._step_up([models[c.start[1]]], [models[c.sft(s)] for s in range(3)], "fact_precision") is True
+    assert fig["student"]["latency_p50_ms"] == 90.0 and fig["teacher"]["latency_p50_ms"] == 301.0
+    # distill.json names its models: text is kept from the first seed, never averaged
+    assert pipeline.mean_metrics([{"f": 1.0, "model": "a"}, {"f": 3.0, "model": "b"}, {"model": "c"}]) == {
+        "f": 2.0, "model": "a"}
+    speed = fig["milestones"]["student >= 3x faster than its teacher, within 2 points (news world target)"]
+    assert speed is True  # 301 / 90 = 3.3x, factuality 0.6 - 0.59 = 1 point
 
 
 def test_stage_names_and_overrides_are_checked(tmp_path):
@@ -100,35 +154,39 @@ SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
     "distill": ["steps=3", "warmup_steps=0", "data.max_train_docs=4", "generate.max_new_tokens=16",
                 "generate.filter=none", "eval.n_docs=2", "eval.latency_docs=2", "eval.max_new_tokens=16"],
 }
-MAIN_STAGES = [s.name for s in pipeline.STAGES if not s.full_only]
+TWO_SEEDS = [s for s in pipeline.profile_stages("tiny", 2) if not s.full_only]
 
 
 @pytest.mark.slow
 def test_smallest_pipeline_end_to_end(tmp_path):
     args = [a for stage, kvs in SMALLEST.items() for kv in kvs for a in ("--set", f"{stage}.{kv}")]
-    run = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path), *args],
+    run = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--profile", "tiny", "--seeds", "2",
+                          "--workdir", str(tmp_path), *args],
                          capture_output=True, text=True, timeout=900, env={**os.environ,
                                                                           "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for stage in pipeline.STAGES:
-        assert stage.full_only or (tmp_path / stage.output).exists(), stage.name
-    assert (tmp_path / "runs/eval_tiny/report.md").exists() and (tmp_path / "runs/distill_tiny/final").is_dir()
+    for stage in TWO_SEEDS:
+        assert (tmp_path / stage.output).exists(), stage.label
+    assert (tmp_path / "runs/eval_tiny/report.md").exists() and (tmp_path / "runs/distill_tiny_s1/final").is_dir()
     md = (tmp_path / "runs/pipeline/headline.md").read_text()
     fig = json.loads((tmp_path / "runs/pipeline/headline.json").read_text())
     for key in ("valid_call_rate", "rules_pass", "hallucination_rate", "pass", "pass_at_1", "pass_at_8"):
         assert key in fig["sft"] and key in fig["rl"], key
+    assert len(fig["per_seed"]["sft"]) == len(fig["per_seed"]["rl"]) == 2 and len(fig["per_seed"]["start"]) == 1
     assert "latency_p50_ms" in fig["student"] and "factuality" in fig["student"]
-    assert len(fig["milestones"]) == 6 and len(fig["targets"]) == 6 and set(fig["seconds"]) == set(MAIN_STAGES)
+    assert len(fig["milestones"]) == 6 and len(fig["targets"]) == 6
+    assert set(fig["seconds"]) == {s.label for s in TWO_SEEDS} and "sft[s1]" in fig["seconds"]
     for key in ("fact_precision", "tool_auc", "evidence_use", "search_found_fact"):
         assert key in fig["base"] and key in fig["sft"] and key in fig["rl"], key
     for row in ("| base (no tools) |", "| SFT (tools) |", "| Dr. GRPO |", "| student (no tools) |", "M0 rule pass",
-                "M1 hallucinations", "M2 combined pass", "M3 student", "fact precision rises", "Stage times"):
+                "M1 hallucinations", "M2 combined pass", "M3 student", "fact precision rises", "Stage times",
+                "mean over 2 seeds (min-max)"):
         assert row in md, row
     assert md in run.stdout
 
-    again = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--workdir", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("exists, skipped") == len(MAIN_STAGES), again.stdout[-2000:]
+    again = subprocess.run([sys.executable, str(ROOT / "pipeline.py"), "--profile", "tiny", "--seeds", "2",
+                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("exists, skipped") == len(TWO_SEEDS), again.stdout[-2000:]
 
 
 def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(capsys):
