@@ -1,25 +1,33 @@
-"""Rollout throughput with tools, against plain decoding and re-prefilling.
+"""Rollout throughput with tools, against plain decoding, HF `generate`, re-prefilling and the matmul bound.
 
     python bench/rollout.py [--presets tiny-1m tiny-8m] [--new-tokens 256] [--reps 3]
+    python bench/rollout.py --model smollm2-135m [--reps 3]      # the real model's shapes
 
-For each tiny preset: 8 rows (2 news-world documents of 600-800 tokens x 4
-rollouts), each writing --new-tokens tokens with about three tool events (a
-regex search, a sentence delete, a BM25 search, a clause delete), scripted
-through a logits processor so every backend writes the same tokens:
+Tiny presets: 8 rows (2 news-world documents of 600-800 tokens x 4 rollouts),
+each writing --new-tokens tokens. `--model`: 32 rows (4 news-world documents of
+about 240 prompt tokens x G 8), 96 tokens each: an RL step's shape. Every row
+has about four tool events (a regex search, a sentence delete, a BM25 search, a
+clause delete), scripted through a logits processor so every backend writes
+the same tokens:
 - `plain`: a bare batched decode loop, no tools, HF's DynamicCache (what a
   generic loop costs: the limit);
+- `generate` (with --model): HF `generate` on the same prompts, forced to write
+  the same number of tokens, no tools;
 - `hf`: the engine, ragged KV cache kept across tool calls;
 - `hf_naive`: the engine re-prefilling every context after any tool event;
 - `hf_no_tools`: the engine writing the same number of tokens with no tool
-  event (so `ratio_vs_engine_no_tools` is the tools' own cost, apart from the
-  cache the engine uses and the plain loop does not).
+  event (so `ratio_vs_engine_no_tools` is the tools' own cost);
+- `matmul_bound`: the linear layers of the engine's own forward passes, alone
+  (bench/bound.py): `ratio_vs_matmul_bound` is how close the engine comes to it;
+- with --model, where the CPU has native bf16 (or with --bf16), the engine under
+  bf16 autocast beside fp32 (`ratio_bf16_vs_fp32`): what `autocast: auto` buys.
 Throughput counts generated tokens; the results blocks the tools add are extra
-work the tool runs do and the plain run does not. Targets: `ratio_vs_plain` >=
-0.90 and `ratio_vs_naive` >= 5, printed last for the least favourable preset.
-Then scoring: forward+backward of `episode_logprobs` on the
-hf episodes, one tree pass per episode vs one pass per branch (target >= 1.5x,
-with equal log-probs). Repetitions are interleaved and the median kept: the
-machine is shared and noisy. The last line is one JSON object.
+work the tool runs do and the plain run does not. Targets: tiny presets
+`ratio_vs_plain` >= 0.90 and `ratio_vs_naive` >= 5; --model `ratio_vs_generate`
+>= 2 and `ratio_vs_matmul_bound` >= 0.70. Then scoring: forward+backward of
+`episode_logprobs` on the hf episodes, one tree pass per episode vs one pass per
+branch (target >= 1.5x, with equal log-probs). Repetitions are interleaved and
+the median kept: the machine is shared and noisy. The last line is one JSON object.
 """
 import argparse
 import json
@@ -103,46 +111,99 @@ def plain_decode(model, tokenizer, docs, group, n_new):
     return len(prompts) * group * n_new
 
 
-def bench_preset(preset, args):
-    path = modeling.resolve_model_path(preset)
+def news_documents(n):
+    """n news-world articles as they are (about 240 prompt tokens for SmolLM2): an RL step's documents."""
+    return [(d.text, [d]) for d in newsworld.documents(n, seed=11)]
+
+
+@torch.no_grad()
+def generate_decode(model, tokenizer, docs, group, scripts, n_new):
+    """HF `generate` on the same prompts, each row forced to write its script's first n_new ids."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prompts = [sandbox.prompt_ids(tokenizer, d) for d, _ in docs for _ in range(group)]
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    forced = torch.tensor([scripts[i][:n_new] for i in range(len(prompts))])
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - width
+            out = torch.full_like(scores, -float("inf"))
+            out[torch.arange(len(out)), forced[:, step]] = 0.0
+            return out
+
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                         do_sample=False, logits_processor=LogitsProcessorList([Force()]),
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    return (out.shape[1] - width) * len(prompts)
+
+
+def bench_engine(name, args, docs, group, n_new, real):
+    """Figures of one model: tiny presets on long documents, --model on an RL step's shape (`real`)."""
+    import common
+    from bound import record_forwards, replay_seconds
+
+    path = modeling.resolve_model_path(name)
     tok = modeling.load_tokenizer(path)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-    docs = long_documents(tok, 2)
-    group = 4
     scripts = {}
     for d, (_, parts) in enumerate(docs):
         for g in range(group):
-            scripts[d * group + g] = script_text(parts, d * group + g, tok, args.new_tokens)
+            scripts[d * group + g] = script_text(parts, d * group + g, tok, n_new)
     proc = R.ScriptedProcessor(scripts)
-    no_tools = R.ScriptedProcessor({i: script_text(docs[i // group][1], i, tok, args.new_tokens, tools=False)
-                                    for i in scripts})
+    no_tools_scripts = {i: script_text(docs[i // group][1], i, tok, n_new, tools=False) for i in scripts}
+    no_tools = R.ScriptedProcessor(no_tools_scripts)
     texts = [t for t, _ in docs]
 
-    def run(backend, processor=proc):
-        cfg = R.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=args.new_tokens)
-        t0 = time.perf_counter()
-        eps = R.rollout(model, tok, texts, group, cfg, logits_processor=processor)
-        dt = time.perf_counter() - t0
+    def run(backend, processor=proc, bf16=False):
+        cfg = R.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=n_new, batch_size=len(scripts))
+        with common.autocast(bf16, "cpu"):
+            t0 = time.perf_counter()
+            eps = R.rollout(model, tok, texts, group, cfg, logits_processor=processor)
+            dt = time.perf_counter() - t0
         gen = sum(len(t.ids) for e in eps for t in e.turns)
         inj = sum(len(t.inj_ids or []) for e in eps for t in e.turns)
         return gen / dt, eps, inj
 
     def plain():
         t0 = time.perf_counter()
-        n = plain_decode(model, tok, docs, group, args.new_tokens)
+        n = plain_decode(model, tok, docs, group, n_new)
         return n / (time.perf_counter() - t0)
 
-    res = {"plain": [], "hf": [], "hf_naive": [], "hf_no_tools": []}
+    def generate():
+        t0 = time.perf_counter()
+        n = generate_decode(model, tok, docs, group, no_tools_scripts, n_new)
+        return n / (time.perf_counter() - t0)
+
+    bf16 = real and (args.bf16 or common.native_bf16("cpu")[0])
+    res = {"plain": [], "hf": [], "hf_naive": [], "hf_no_tools": [], "bound": []}
+    if real:
+        res["generate"] = []
+    if bf16:
+        res["hf_bf16"] = []
     plain()
     run("hf")  # warm-up
     for _ in range(args.reps):
         res["plain"].append(plain())
-        hf_rate, eps, inj = run("hf")
+        if real:
+            res["generate"].append(generate())
+        with record_forwards(model) as shapes:
+            t0 = time.perf_counter()
+            hf_rate, eps, inj = run("hf")
         res["hf"].append(hf_rate)
+        gen = sum(len(t.ids) for e in eps for t in e.turns)
+        res["bound"].append(gen / replay_seconds(model, shapes))  # tokens/s if only the products ran
         res["hf_naive"].append(run("hf_naive")[0])
         res["hf_no_tools"].append(run("hf", no_tools)[0])
+        if bf16:
+            res["hf_bf16"].append(run("hf", bf16=True)[0])
     events = sum(e.n_search + e.n_delete for e in eps) / len(eps)
     gen_total = sum(len(t.ids) for e in eps for t in e.turns)
     doc_tokens = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
@@ -162,38 +223,60 @@ def bench_preset(preset, args):
             lps[method] = [t.detach() for ep in out for t in ep]
     diff = max((a - b).abs().max().item() for a, b in zip(lps["branch"], lps["tree"]))
     med = {k: statistics.median(v) for k, v in res.items()}
-    return {
-        f"{preset}_tok_s_hf": med["hf"], f"{preset}_tok_s_plain": med["plain"],
-        f"{preset}_tok_s_naive": med["hf_naive"],
-        f"{preset}_tok_s_engine_no_tools": med["hf_no_tools"],
-        f"{preset}_ratio_vs_plain": med["hf"] / med["plain"], f"{preset}_ratio_vs_naive": med["hf"] / med["hf_naive"],
+    out = {
+        f"{name}_tok_s_hf": med["hf"], f"{name}_tok_s_plain": med["plain"],
+        f"{name}_tok_s_naive": med["hf_naive"],
+        f"{name}_tok_s_engine_no_tools": med["hf_no_tools"],
+        f"{name}_tok_s_matmul_bound": med["bound"],
+        f"{name}_ratio_vs_plain": med["hf"] / med["plain"], f"{name}_ratio_vs_naive": med["hf"] / med["hf_naive"],
         # the tools' own cost: the same engine writing the same number of tokens without any tool event
-        f"{preset}_ratio_vs_engine_no_tools": med["hf"] / med["hf_no_tools"],
+        f"{name}_ratio_vs_engine_no_tools": med["hf"] / med["hf_no_tools"],
+        f"{name}_ratio_vs_matmul_bound": med["hf"] / med["bound"],
         # counting the results blocks the engine had to read as well as what it wrote
-        f"{preset}_processed_ratio_vs_plain": med["hf"] * (1 + inj / max(1, gen_total)) / med["plain"],
-        f"{preset}_tool_events_per_rollout": events, f"{preset}_injected_tokens_per_rollout": inj / len(eps),
-        f"{preset}_doc_tokens_min": min(doc_tokens), f"{preset}_doc_tokens_max": max(doc_tokens),
-        f"{preset}_score_branch_s": statistics.median(times["branch"]),
-        f"{preset}_score_tree_s": statistics.median(times["tree"]),
-        f"{preset}_score_speedup": statistics.median(times["branch"]) / statistics.median(times["tree"]),
-        f"{preset}_score_max_abs_diff": diff,
+        f"{name}_processed_ratio_vs_plain": med["hf"] * (1 + inj / max(1, gen_total)) / med["plain"],
+        f"{name}_rows": len(eps), f"{name}_new_tokens": n_new,
+        f"{name}_tool_events_per_rollout": events, f"{name}_injected_tokens_per_rollout": inj / len(eps),
+        f"{name}_doc_tokens_min": min(doc_tokens), f"{name}_doc_tokens_max": max(doc_tokens),
+        f"{name}_score_branch_s": statistics.median(times["branch"]),
+        f"{name}_score_tree_s": statistics.median(times["tree"]),
+        f"{name}_score_speedup": statistics.median(times["branch"]) / statistics.median(times["tree"]),
+        f"{name}_score_max_abs_diff": diff,
     }
+    if real:
+        out[f"{name}_tok_s_generate"] = med["generate"]
+        out[f"{name}_ratio_vs_generate"] = med["hf"] / med["generate"]
+    if bf16:
+        out[f"{name}_tok_s_hf_bf16"] = med["hf_bf16"]
+        out[f"{name}_ratio_bf16_vs_fp32"] = med["hf_bf16"] / med["hf"]
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="+", default=["tiny-1m", "tiny-8m"])
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--presets", nargs="*", default=None, help="tiny presets on long documents (default: tiny-1m "
+                    "tiny-8m, none when --model is given)")
+    ap.add_argument("--model", action="append", default=[], help="a model on an RL step's shape, e.g. smollm2-135m")
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens per row for the tiny presets")
+    ap.add_argument("--model-new-tokens", type=int, default=96, help="tokens per row for --model")
+    ap.add_argument("--bf16", action="store_true", help="time bf16 autocast with --model even without native bf16")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    presets = args.presets if args.presets is not None else ([] if args.model else ["tiny-1m", "tiny-8m"])
     torch.manual_seed(0)
     figures = {}
-    for preset in args.presets:
-        figures.update(bench_preset(preset, args))
-    for key in ("ratio_vs_plain", "ratio_vs_naive"):  # the targets, on the least favourable preset
-        figures[key] = min(figures[f"{p}_{key}"] for p in args.presets)
+    for preset in presets:
+        tok = modeling.load_tokenizer(modeling.resolve_model_path(preset))
+        figures.update(bench_engine(preset, args, long_documents(tok, 2), 4, args.new_tokens, real=False))
+    for name in args.model:
+        figures.update(bench_engine(name, args, news_documents(4), 8, args.model_new_tokens, real=True))
+    if presets:  # the targets, on the least favourable preset
+        for key in ("ratio_vs_plain", "ratio_vs_naive"):
+            figures[key] = min(figures[f"{p}_{key}"] for p in presets)
+    if args.model:
+        for key in ("ratio_vs_generate", "ratio_vs_matmul_bound", "score_speedup"):
+            figures[key] = min(figures[f"{m}_{key}"] for m in args.model)
     for k, v in figures.items():
-        print(f"{k:40s} {v:12.4f}")
+        print(f"{k:44s} {v:12.4f}")
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 

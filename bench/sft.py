@@ -1,6 +1,7 @@
 """SFT step throughput: our deletion-aware tree step against plain causal-LM steps on the same tokens.
 
     python bench/sft.py [--preset tiny-1m] [--batch 16] [--reps 5] [--row-tokens 1024]
+    python bench/sft.py --model smollm2-135m --batch 8 --reps 3   # the real model: LoRA as configs/sft_smollm.yaml
 
 - `sft_step`: what sft.py does per micro-batch: build each episode's tree of
   branches, score it (`rollout.episode_logprobs`: one row per tree, the output
@@ -15,6 +16,11 @@
 - `packed_trees_W`: the trees themselves packed first-fit into rows of W tokens
   with a block-diagonal tree mask (the packing alternative: fewer padded
   positions, but dense attention grows with W^2 on a CPU; printed to show it).
+- `matmul_bound`: the linear layers of sft_step's own forward passes, forward and
+  backward, alone (bench/bound.py; weight gradients too for a full fine-tune,
+  input gradients only under LoRA): `ratio_sft_vs_matmul_bound`.
+A model that is no tiny preset (`--model`) trains a rank-16 LoRA on every
+projection, one tree per forward (max_batch_tokens 1024), as sft.py does with it.
 Throughput counts trained (generated) tokens. Also: episodes/s of building
 branches and validating their masks. Repetitions interleaved, medians kept. The
 last line is one JSON object, `ratio_vs_packed_lm` last.
@@ -132,22 +138,31 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
 
 
 def main():
+    from bound import record_forwards, replay_seconds
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="tiny-1m")
+    ap.add_argument("--preset", "--model", dest="preset", default="tiny-1m",
+                    help="a tiny preset (every weight trains) or another model (a LoRA on it), e.g. smollm2-135m")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--row-tokens", type=int, default=1024, help="row width of the packed causal-LM step")
     args = ap.parse_args()
+    tiny = args.preset in modeling.TINY_PRESETS
     model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=args.preset,
-                                                       lora=modeling.LoraConfig(enabled=False)))
+                                                       lora=modeling.LoraConfig(enabled=not tiny)))
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
     batch = eps[:args.batch]
     n_tok = sum(sft.n_generated(e) for e in batch)
     trees = rollout._trees(batch, None)
     ids, labels = packed_rows(trees, args.row_tokens)
     widths = sorted({max(len(t.ids) for t in trees), 2 * max(len(t.ids) for t in trees), args.row_tokens})
+    chunk = 16384 if tiny else 1024
+    with record_forwards(model) as shapes:
+        sft.sequence_loss(model, batch, n_tok, chunk).backward()
+    model.zero_grad()
     steps = {
-        "sft_step": lambda: sft.sequence_loss(model, batch, n_tok).backward(),
+        "sft_step": lambda: sft.sequence_loss(model, batch, n_tok, chunk).backward(),
+        "matmul_bound": lambda: replay_seconds(model, shapes, backward="full" if tiny else "input"),
         "packed_lm": lambda: packed_lm_step(model, ids, labels),
         "packed_lm_head_at_targets": lambda: packed_lm_tight_step(model, ids, labels),
         "bare": lambda: bare_step(model, batch),
@@ -173,6 +188,7 @@ def main():
         "packed_lm_tokens": ids.numel(), "mask_build_and_check_episodes_s": mask_eps_s,
         "ratio_vs_bare": med["bare"] / med["sft_step"],
         "ratio_vs_packed_lm_tight": med["packed_lm_head_at_targets"] / med["sft_step"],
+        "ratio_sft_vs_matmul_bound": med["matmul_bound"] / med["sft_step"],
         "ratio_vs_packed_lm": med["packed_lm"] / med["sft_step"],
     })
     for k, v in figures.items():
