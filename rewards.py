@@ -14,7 +14,7 @@ models, loaded lazily), "lexical" (model-free, built for the news world's errors
 weights from `reward.learned.path`) or "oracle" (the news world's fact table). Each is reported under
 its own name (`BACKEND_NAMES`), so an approximation is never reported as FENICE.
 
-Entry points (DESIGN.md section 9): `rule_scores`, `lexical_factuality`, `support_factuality`,
+Entry points (DESIGN.md section 10): `rule_scores`, `lexical_factuality`, `support_factuality`,
 `factuality_batch`, `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
 Every rule is total: any input (empty, huge, binary junk, markup) gets a score in [0, 1] and never
 raises; a summary with no words scores 0 on every rule. Texts are read by `claims.py`; torch and
@@ -269,7 +269,7 @@ def rule_details(document: Any, summary: Any, cfg: RewardConfig | None = None) -
 
 
 def rule_scores(document: Any, summary: Any, cfg: RewardConfig | None = None) -> dict[str, float]:
-    """Every rule's score in [0, 1] (DESIGN.md section 9)."""
+    """Every rule's score in [0, 1] (DESIGN.md section 10)."""
     return {k: r.score for k, r in rule_details(document, summary, cfg).items()}
 
 
@@ -391,7 +391,7 @@ def lexical_details(doc: DocInfo, s: SummaryInfo, cfg: RewardConfig) -> tuple[fl
 
 
 def lexical_factuality(document: Any, summary: Any, cfg: RewardConfig | None = None) -> float:
-    """The lexical factuality score in [0, 1] (DESIGN.md section 9): a model-free
+    """The lexical factuality score in [0, 1] (DESIGN.md section 10): a model-free
     approximation, reported as "lexical (model-free approximation)". Claims are the
     summary's sentences, each scored by its best-supporting document sentence on
     content words, entities and numbers."""
@@ -848,5 +848,5 @@ def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = Non
 
 
 def score(document: Any, episode_or_summary: Any, cfg: RewardConfig | None = None) -> dict:
-    """One (document, episode or summary) pair (DESIGN.md section 9); see score_batch."""
+    """One (document, episode or summary) pair (DESIGN.md section 10); see score_batch."""
     return score_batch([(document, episode_or_summary)], cfg)[0]

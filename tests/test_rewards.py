@@ -689,6 +689,14 @@ def test_rules_that_a_summary_cannot_pass_by_saying_nothing(doc, summary, rule, 
     assert R.rule_scores(doc, summary)[rule] == expected
 
 
+def test_the_repetition_rule_catches_sentence_and_clause_loops():
+    r = lambda text: R.rule_scores(DOC, text)["repetition"]  # noqa: E731
+    assert r(AUDIT["faithful"]) == 1.0
+    assert r(AUDIT["looped sentence"]) < 0.2  # 2 of 6 sentences distinct, and their trigrams repeat
+    assert r(AUDIT["looped clause"]) < 0.2  # one sentence, its trigrams mostly repeats
+    assert r("Acme rose 5%. Acme rose 5%. Globex fell.") < r("Acme rose 5%. Globex fell.") == 1.0
+
+
 # The audit table (measured with the old default config: a vague 24-word text scored
 # 0.942 and passed, above a faithful summary's 0.864): every config's reward must rank a
 # faithful summary above each way of saying nothing.
@@ -703,6 +711,12 @@ AUDIT = {
     "no content": "The. The. A. The.",
     "one word looped": "on " * 60,
     "repeated claim": "Acme Corp. reported revenue of $4.2 billion. " * 3,
+    # the zero-shot real model's habit: a faithful start, then the same sentence until the token limit
+    "looped sentence": "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier. "
+                       + "Chief executive Jane K. Doe said the U.S. market drove growth. " * 5,
+    # and a clause repeated inside one sentence
+    "looped clause": "Acme Corp. reported revenue of $4.2 billion on March 3, 2024" + ", up 12% from a year earlier" * 6
+                     + ".",
 }
 
 
