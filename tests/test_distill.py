@@ -212,6 +212,40 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path, mo
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(math.isfinite(r["kd"]) for r in rows)
 
 
+@pytest.mark.parametrize("n, every, kept", [(30, 2, [0, 2, 4, 6, 8, 10, 12, 14, 17, 19, 21, 23, 25, 27, 29]),
+                                             (4, 2, [0, 3]), (5, 2, [0, 2, 4]), (2, 2, [0, 1]), (8, 4, [0, 7])])
+def test_kept_layers_are_evenly_spaced_with_the_first_and_last(n, every, kept):
+    assert distill.kept_layers(n, every) == kept
+
+
+def test_a_pruned_teacher_student_keeps_its_layers_weights_and_merged_adapter(world, tmp_path):
+    """keep_every=2 on a 4-layer adapter teacher: the student is layers 0 and 3 of the
+    merged teacher, weight for weight, and distillation trains it from there."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base_dir = save_tiny_policy(tmp_path / "base4", TOK, layers=4)
+    teacher = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    teacher.save_pretrained(tmp_path / "teacher")
+    TOK.save_pretrained(tmp_path / "teacher")
+    merged = teacher.merge_and_unload().state_dict()
+    cfg = config(str(tmp_path / "teacher"), world, tmp_path / "runs", keep_every=2, steps=2)
+    distill.main(cfg)
+    init = tmp_path / "runs" / "t" / "student_init"
+    student = AutoModelForCausalLM.from_pretrained(init).state_dict()
+    assert AutoModelForCausalLM.from_pretrained(init).config.num_hidden_layers == 2
+    for new, old in ((0, 0), (1, 3)):
+        for k, v in student.items():
+            if k.startswith(f"model.layers.{new}."):
+                assert torch.equal(v, merged[k.replace(f"layers.{new}.", f"layers.{old}.")]), k
+    assert torch.equal(student["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
+    final, _ = modeling.load_trained(str(tmp_path / "runs" / "t" / "final"))
+    assert final.config.num_hidden_layers == 2
+    ep = R.rollout(final, TOK, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=6))[0]  # the KV cache
+    assert 0 < sum(len(t.ids) for t in ep.turns) <= 6  # indexes the kept layers 0 and 1
+
+
 def test_resume_gives_the_weights_of_an_uninterrupted_run(full_teacher, world, tmp_path, monkeypatch):
     over = dict(steps=4, save_every=2, eval=distill.EvalConfig(n_docs=0))
     distill.main(config(full_teacher, world, tmp_path / "a", **over))

@@ -287,6 +287,20 @@ def test_main_writes_every_metric_report_plots_and_samples(world):
     assert html.count("clean (oracle)") + html.count("class='noise'") == 2  # each marked by the oracle
 
 
+def test_no_samples_skips_the_sampled_pass_and_reports_pass_at_k_as_na(world, monkeypatch):
+    root, _ = world
+    calls = []
+    real = E._rollouts
+    monkeypatch.setattr(E, "_rollouts", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=greedy_only", "n_samples=0"])
+    E.main(cfg)
+    m = json.loads((root / "runs" / "greedy_only" / "eval.json").read_text())["models"][0]["metrics"]
+    assert not any(c.startswith("samples") for c in calls) and calls  # the greedy pass ran, no sampled one
+    assert all(m[f"pass_at_{k}"] is None for k in E.KS) and m["fact_precision"] is not None
+    with pytest.raises(settings.ConfigError, match="n_samples >= 0"):
+        E.Config(n_samples=-1)
+
+
 def test_compare_evaluates_each_directory_on_the_same_documents_and_seeds(world):
     root, _ = world
     a = str(root / "model_a")

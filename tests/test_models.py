@@ -209,6 +209,25 @@ def test_lora_trains_only_the_adapter_and_reference_is_the_base(tiny_dir):
         assert torch.equal(model(ids).logits, adapted)  # the adapter is back after the block
 
 
+def test_top_layers_adapts_only_the_last_layers_and_training_moves_only_them(tiny_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_dir), lora=LoraConfig(rank=4, alpha=8, top_layers=1))
+    model, _ = load_policy(cfg, device_name="cpu")
+    adapted = {n.split(".layers.")[1].split(".")[0] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"1"}  # tiny-1m has layers 0 and 1: only the last is adapted
+    shape = ModelShape.from_config(AutoModelForCausalLM.from_pretrained(tiny_dir).config.to_dict())
+    assert count_parameters(model, trainable=True) * 2 == shape.lora_params(4, modeling.LORA_TARGETS)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train_step(model, _ids())
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert moved and all(".layers.1." in n and (".lora_A." in n or ".lora_B." in n) for n in moved)
+    assert modeling.adapted_layers(LoraConfig(top_layers=0), 30) is None
+    assert modeling.adapted_layers(LoraConfig(top_layers=4), 30) == [26, 27, 28, 29]
+    with pytest.raises(ConfigError, match="top_layers=3: the model has 2 layers"):
+        load_policy(ModelConfig(name_or_path=str(tiny_dir), lora=LoraConfig(top_layers=3)), device_name="cpu")
+    with pytest.raises(ConfigError, match="top_layers"):
+        ModelConfig(lora=LoraConfig(top_layers=-1))
+
+
 def test_load_trained_reads_full_weights_or_an_adapter_on_its_base(tiny_dir, tmp_path):
     model, tok = load_policy(_lora_cfg(tiny_dir), device_name="cpu")
     _train_step(model, _ids())

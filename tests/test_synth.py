@@ -119,6 +119,34 @@ def test_key_queries_are_short_content_words_that_find_the_support():
     assert n >= 20 and found / n >= 0.8
 
 
+def test_a_corrected_sentence_is_rechecked_at_the_recheck_rate_and_the_check_keeps_it():
+    """recheck_rate=1: every corrected sentence but the trace's last is followed by a
+    search for itself whose results state it, and nothing deletes it; 0: never."""
+    checked = n = 0
+    for doc in DOCS:
+        draft, labels = oracle.draft(doc, random.Random(1), n_errors=2)
+        sentences = textsplit.split_sentences(draft)
+        kw = dict(own=st.key_query, rewrite=lambda q, c: st.evidence_correction(doc.text, q, c))
+        plain, _ = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0), 0.0, **kw)
+        text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0), 0.0,
+                                      recheck_rate=1.0, **kw)
+        ep = sandbox.replay(doc.text, text)
+        assert ep.valid and ep.summary == sandbox.replay(doc.text, plain).summary  # a recheck deletes nothing
+        fixed = [c["corrected"] for c in corrections if c["corrected"]]
+        last = textsplit.split_sentences(ep.summary)[-1] if ep.summary else ""
+        here = 0
+        for f in fixed:
+            n += 1
+            if f.strip() == last.strip():
+                assert f"{f}<search>" not in text  # a trace never ends on a search
+                continue
+            assert f"{f}<search>{st.key_query(f)}</search>" in text
+            here += 1
+        assert text.count("<search>") == plain.count("<search>") + here  # the rechecks and nothing else
+        checked += here
+    assert n >= 10 and checked >= n // 2
+
+
 def test_a_model_draft_keeps_its_first_sentences_and_no_repeat():
     loop = "Acme rose. Acme rose. Globex fell 2%. Acme rose. Jane Doe left. Beta won."
     assert st.draft_sentences(loop, 3) == "Acme rose. Globex fell 2%. Jane Doe left."
