@@ -418,7 +418,7 @@ def main(cfg: Config) -> dict:
     if not Path(cfg.teacher).exists():
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
     teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
-    with common.autocast(bf16, dev):
+    with common.autocast(bf16, dev, teacher):
         episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "
           f"{funnel['clean']} clean), {funnel['teacher_tokens_per_episode']:.0f} tokens and "
@@ -461,7 +461,7 @@ def main(cfg: Config) -> dict:
         n_tok = sum(sft.n_generated(e) for b in batches for e in b)
 
         def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
-            with common.autocast(bf16, dev):
+            with common.autocast(bf16, dev, teacher):
                 loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
                                             cfg.max_batch_tokens)
             return loss, {"ce": ce, "kd": kd}

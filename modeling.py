@@ -444,7 +444,8 @@ def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = 
     train=True: quantised models go through peft's prepare_model_for_kbit_training,
     gradient checkpointing is enabled if asked, LoRA is attached (or the saved
     adapter loaded as trainable), and the model is in train mode. Without LoRA
-    every weight trains (full fine-tune). train=False: everything frozen, eval mode.
+    every weight trains (full fine-tune). train=False: everything frozen, eval mode, a
+    saved adapter merged into its base (unless quantised).
     """
     if cfg.backend == "unsloth":
         return _load_unsloth(cfg, train)
@@ -473,6 +474,10 @@ def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = 
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, cfg.adapter_path, is_trainable=train)
+        if not train and cfg.quant == "none":
+            # frozen: one matrix product per projection instead of three (base, A, B), a third
+            # of a decode step's products and calls on a CPU; a quantised base cannot take the merge
+            model = model.merge_and_unload()
     elif train and cfg.lora.enabled:
         from peft import get_peft_model
 

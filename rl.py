@@ -458,7 +458,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     run = common.start_run(cfg)
     dev_type = common.device()
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type)
-    amp = lambda: common.autocast(bf16, dev_type)  # noqa: E731  (rollouts and updates both, entered per call)
+    amp = lambda: common.autocast(bf16, dev_type, model)  # noqa: E731  (rollouts and updates both, entered per call)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     vllm = cfg.sampling.backend == "vllm"

@@ -589,7 +589,7 @@ def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
     dev = common.device()
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev)
-    amp = lambda: common.autocast(bf16, dev)  # noqa: E731  (entered per step: see common.autocast)
+    amp = lambda: common.autocast(bf16, dev, model)  # noqa: E731  (entered per step: see common.autocast)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
     limits = sandbox.Limits.make(**cfg.limits)

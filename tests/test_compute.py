@@ -9,7 +9,7 @@ import data
 import modeling
 import rl
 import rollout as R
-from helpers import DOC, bpe_tokenizer, save_tiny_policy
+from helpers import DOC, bpe_tokenizer, save_tiny_policy, tiny_llama
 from settings import ConfigError
 
 
@@ -95,3 +95,33 @@ def test_rl_rolls_out_and_updates_under_the_chosen_autocast(tmp_path, monkeypatc
     cfg.sampling.max_new_tokens = 8
     rl.main(cfg, reward_fn=lambda d, e: [{"total": float(i % 2)} for i in range(len(e))])
     assert seen["rollout"] == dtypes and seen["update"] == dtypes
+
+
+def test_frozen_weights_held_in_bf16_give_autocasts_products_and_come_back():
+    """Inside `common.autocast(True, "cpu", model)` the frozen linear weights (a LoRA
+    base and the tied output head) are bf16 copies: the logits are autocast's own to the
+    bit, trainable weights and the embedding stay fp32, and every fp32 weight is back after."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = bpe_tokenizer()
+    model = get_peft_model(tiny_llama(tok), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    model.config.tie_word_embeddings = True
+    base = model.get_base_model()
+    base.lm_head.weight = base.model.embed_tokens.weight  # tied, as SmolLM2's
+    ids = torch.randint(4, len(tok), (2, 12))
+    before = {n: p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(ids).logits
+        with common.autocast(True, "cpu", model):
+            frozen = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+            assert frozen and all(w.dtype == torch.bfloat16 for w in frozen)
+            assert base.lm_head.weight.dtype == torch.bfloat16 and base.model.embed_tokens.weight.dtype == torch.float32
+            assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+            got = model(ids).logits
+    assert torch.equal(got, want)
+    assert {n: p for n, p in model.named_parameters()} == before  # the same fp32 Parameters, ties included
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    with common.autocast(False, "cpu", model):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
