@@ -635,6 +635,8 @@ def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):
 def test_unsloth_vllm_runs_two_steps(tmp_path):
     """One GPU: drgrpo_v19's stack (Unsloth 4-bit LoRA, colocated vLLM, refreshed
     adapter per step), shrunk to two small steps on news-world documents."""
+    pytest.importorskip("unsloth")
+    pytest.importorskip("vllm")
     model = os.environ.get("RL_GPU_MODEL", "unsloth/Qwen3-4B-Instruct-2507-bnb-4bit")
     cfg = load("drgrpo_v19.yaml", "init=", f"model.name_or_path={model}", f"runs_dir={tmp_path}", "steps=2",
                "prompts_per_step=2", "group_size=4", "sampling.max_new_tokens=64", "eval.n_docs=0",

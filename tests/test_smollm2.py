@@ -36,7 +36,7 @@ def smol():
     path = modeling.resolve_model_path("smollm2-135m")
     tok = modeling.load_tokenizer(path)
     model = modeling.load_policy(modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=False)),
-                                 train=False)[0]
+                                 train=False, device_name="cpu")[0]  # fp32 on the CPU even where a GPU is
     return path, model, tok
 
 
@@ -191,3 +191,67 @@ def test_serve_answers_with_the_real_model(smol):
         proc.wait(timeout=30)
     assert status == 200 and body["id"] == "r" and body["summary"]
     assert 0 < body["tokens"]["generated"] <= 24 and body["tokens"]["prompt"] > 100
+
+
+# --- on a GPU (the `gpu` marker: skipped without CUDA) ---------------------------------
+
+@pytest.fixture(scope="module")
+def smol_cuda():
+    path = modeling.resolve_model_path("smollm2-135m")
+    model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=path, dtype="float32", lora=modeling.LoraConfig(
+        enabled=False)), train=False, device_name="cuda")
+    return path, model, tok
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_equals_reprefilling_and_scoring_equals_the_sampler(smol_cuda):
+    """The ragged cache, shared prompts and grouped KV heads through CUDA's SDPA kernels, fp32."""
+    _, model, tok = smol_cuda
+    assert next(model.parameters()).device.type == "cuda"
+    eps, naive = scripted_rollout(model, tok, "hf"), scripted_rollout(model, tok, "hf_naive")
+    with torch.no_grad():
+        tree = R.episode_logprobs(model, eps, method="tree")
+    for e, (a, b) in enumerate(zip(eps, naive, strict=True)):
+        assert [t.ids for t in a.turns] == [t.ids for t in b.turns] and a.meta["engine_contexts"] == a.contexts()
+        for ti, (ta, tb) in enumerate(zip(a.turns, b.turns)):
+            assert torch.allclose(torch.tensor(ta.logprobs), torch.tensor(tb.logprobs), atol=1e-3)
+            assert torch.allclose(tree[e][ti].cpu(), torch.tensor(ta.logprobs), atol=1e-3)
+    assert sum(e.n_delete for e in eps) == 6
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_autocast_is_bf16_and_a_lora_step_trains_under_it(smol_cuda):
+    path, _, tok = smol_cuda
+    assert common.choose_autocast("auto", "cuda")[0]  # every CUDA card the recipe names has bf16
+    model, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(rank=8)),
+                                    train=True, device_name="cuda")
+    assert next(model.parameters()).dtype == torch.bfloat16  # dtype auto: bf16 weights on CUDA
+    ep = sandbox.replay(DOCS[0], "Acme grew.<search>Acme</search><delete scope=\"sentence\"/> Acme rose.").tokenized(tok)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    with common.autocast(True, "cuda"):
+        loss = sft.sequence_loss(model, [ep], sft.n_generated(ep), 4096, tokenizer=tok)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and 0 < loss.item() < 20
+    assert any(not torch.equal(a, b) for a, b in zip(before, params))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_4bit_load_trains_one_step(smol_cuda):
+    pytest.importorskip("bitsandbytes")
+    path, _, tok = smol_cuda
+    model, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=path, quant="4bit", lora=modeling.LoraConfig(
+        rank=4)), train=True, device_name="cuda")
+    import bitsandbytes as bnb
+
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 30 * 7
+    ep = sandbox.replay(DOCS[0], "Acme grew.<search>Acme</search><delete scope=\"sentence\"/> Acme rose.").tokenized(tok)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    loss = sft.sequence_loss(model, [ep], sft.n_generated(ep), 4096, tokenizer=tok)
+    loss.backward()
+    torch.optim.AdamW(params, lr=1e-2).step()
+    assert torch.isfinite(loss) and 0 < loss.item() < 20
+    assert any(not torch.equal(a, b) for a, b in zip(before, params))
