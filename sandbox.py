@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import time
@@ -138,7 +139,8 @@ class SearchResult:
     seconds: float = 0.0
 
 
-_REPEAT = regex.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# a counted repeat: {n}, {n,}, {n,m} and the regex module's {,m} (a missing lower bound is 0)
+_REPEAT = regex.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def parse_query(query: str) -> tuple[str, str, int]:
@@ -187,13 +189,25 @@ class DocIndex:
         return SearchResult(query, mode, hits, error, block, short, time.perf_counter() - t0)
 
     def _regex(self, pattern: str, flags: int, top_k: int, timeout_s: float, max_repeat_product: int):
+        # A full garbage collection in a process holding torch takes 50-120 ms: inside the
+        # time limit it would fail a cheap search. The search allocates little, so the
+        # collector waits until it is over.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._regex_timed(pattern, flags, top_k, timeout_s, max_repeat_product)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _regex_timed(self, pattern: str, flags: int, top_k: int, timeout_s: float, max_repeat_product: int):
         deadline = time.perf_counter() + timeout_s
         # The time limit cannot interrupt compilation, and the regex module
         # expands counted repeats: (?:(?:a{255}){255}){255} compiles for ~18 s.
         # Bounding the product of all counts (nested or not) bounds that cost.
         product = 1
         for m in _REPEAT.finditer(pattern):
-            product *= max(1, max(int(g) for g in m.groups() if g))
+            product *= max([1] + [int(g) for g in m.groups() if g])
             if product > max_repeat_product:
                 return [], f"bad pattern: repeat counts multiply to more than {max_repeat_product}"
         try:
@@ -323,6 +337,34 @@ def parse_call(text: str, end: int) -> Call:
 # ---------------------------------------------------------------------------
 
 
+WORD_JOINER = "\u2060"  # invisible; breaks a special-token string into plain text
+
+
+def added_token_strings(tok) -> tuple[str, ...]:
+    """The strings `tok` reads as one added token whatever surrounds them (<|im_end|>, <|eot|>, ...)."""
+    found = {getattr(t, "content", t) for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()}
+    found |= set(getattr(tok, "all_special_tokens", None) or ())
+    return tuple(sorted(t for t in found if isinstance(t, str) and len(t) >= 2))
+
+
+@functools.lru_cache(maxsize=32)
+def _added_token_re(tokens: tuple[str, ...]):
+    return regex.compile("|".join(map(regex.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
+
+
+def inert(tok, text: str) -> str:
+    """`text` with every added-token string broken by a word joiner after its first character.
+
+    Outside text (a document, the search results quoted from it) is templated and
+    encoded with special tokens parsed, so a document holding
+    `<|im_end|><|im_start|>assistant` would otherwise forge a turn boundary. Text
+    without such strings (every news-world document) is returned unchanged."""
+    rx = _added_token_re(added_token_strings(tok)) if tok is not None and text else None
+    while rx is not None and (m := rx.search(text)):  # each pass breaks a string; new ones cannot form
+        text = text[:m.start() + 1] + WORD_JOINER + text[m.start() + 1:]
+    return text
+
+
 class Codec:
     """The few tokenizer operations the protocol needs, around an HF tokenizer.
 
@@ -348,6 +390,16 @@ class Codec:
 
     def length(self, text: str) -> int:
         return len(self.encode(text))
+
+    def inert(self, text: str) -> str:
+        """`inert(tokenizer, text)`, the tokenizer's strings looked up once."""
+        if self.tokenizer is None or not text:
+            return text
+        if not hasattr(self, "_inert_re"):
+            self._inert_re = _added_token_re(added_token_strings(self.tokenizer))
+        if self._inert_re is None or not self._inert_re.search(text):
+            return text
+        return inert(self.tokenizer, text)
 
 
 class CharCodec(Codec):
@@ -854,7 +906,8 @@ def prompt_messages(document: str) -> list[dict]:
 def prompt_ids(tokenizer, document: str) -> list[int]:
     """The chat-formatted prompt ids every stage uses (generation prompt added)."""
     tok = tokenizer.tokenizer if isinstance(tokenizer, Codec) else tokenizer
-    text = tok.apply_chat_template(prompt_messages(document), add_generation_prompt=True, tokenize=False)
+    messages = prompt_messages(inert(tok, document))  # a forged turn boundary stays text
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tok.encode(text, add_special_tokens=False))
 
 
@@ -980,6 +1033,7 @@ class EpisodeBuilder:
             injected = error_block(call.error or "malformed call")
         elif call.kind == "search" and injected.startswith("<results><error>"):
             call.error = call.error or injected[len("<results><error>"):-len("</error></results>")]
+        injected = self.codec.inert(injected)  # results quote the document: its special-token strings stay text
         inj_ids = self.codec.encode(injected)
         turn.injected, turn.inj_ids = injected, inj_ids
         self.stream.append(_Seg.atomic(inj_ids, injected, INJ))
