@@ -9,9 +9,12 @@ Endpoints:
   returned; a delete's scope and the text it retracted), the reward's scores
   (each rule, factuality with its backend named, pass), the claims the backend
   found unsupported, token counts and latency. Bad input gets a 4xx with a
-  one-line `{"error": ...}`: an empty, non-UTF-8 or non-JSON body (400), a
-  missing or empty `document` (422), one over `max_document_chars` (413).
-- `GET /health`: the model, backend and uptime.
+  one-line `{"error": ...}`: an empty, non-UTF-8, non-JSON or too deeply nested
+  body (400), a missing or empty `document` or text that cannot be encoded
+  (422), one over `max_document_chars` or a prompt longer than the model's
+  context (413).
+- `GET /health`: the model, backend, uptime, queue depth and the batcher's
+  state; 503 when the batcher is stuck on one batch past `stuck_after_s`.
 - `GET /metrics`: Prometheus text (requests by status, latency and batch-size
   histograms, tool calls, generated tokens, passes, unsupported-claim flags).
 
@@ -23,10 +26,24 @@ engine batch, and requests arriving meanwhile queue for the next batch. Every
 served episode and its scores go to a rotating JSONL log (`log`), which
 `python monitor.py LOG` turns into a report with alerts.
 
+Under load and faults:
+- The queue is bounded (`max_queue`): past it a request answers 503 with
+  Retry-After at once, and uvicorn refuses connections past `max_connections`.
+- Each request has a deadline (`request_timeout_s`): past it, it answers 504,
+  and a row still queued is never decoded. A client that hangs up is cancelled
+  the same way.
+- A batch that fails is decoded again one request at a time, so only the
+  request that cannot be decoded answers 500.
+- If the batcher task dies it is restarted (its in-hand requests answer 500).
+  A hung engine thread cannot be restarted: `/health` then answers 503, for the
+  supervisor (systemd, Kubernetes) to restart the process.
+- On SIGTERM the server stops accepting, answers and logs the requests in
+  flight (up to `shutdown_timeout_s`), then exits.
+
 The server is uvicorn running a Starlette app rather than the standard
 library's http.server: the batcher needs many waiting requests parked cheaply
 on one event loop while a single worker thread owns the model, and uvicorn
-brings the parts a long-running endpoint needs (keep-alive and request
+brings the parts a long-running endpoint needs (a connection limit, keep-alive
 timeouts, a strict HTTP parser, graceful shutdown on SIGTERM) where
 http.server's documentation warns it is not meant for production. Both are
 small, widely deployed ASGI packages (FastAPI is built on them).
@@ -75,6 +92,11 @@ class Config:
     tools: Literal["all", "no_search", "no_delete", "none"] = "all"  # decode-time tool ban (hf backend only)
     batch_size: int = 16  # requests decoded as one engine batch at most
     batch_wait_ms: float = 5.0  # how long the first request of a batch waits for others
+    max_queue: int = 256  # requests waiting for a batch at most; past it a request answers 503 (Retry-After)
+    request_timeout_s: float = 120.0  # unanswered by then: 504 (a row still queued is never decoded)
+    stuck_after_s: float = 300.0  # /health answers 503 when one batch has decoded this long (a hung engine)
+    max_connections: int = 1024  # uvicorn's limit_concurrency: connections past it answer 503
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to be answered
     max_document_chars: int = 20000  # longer documents get 413
     reward: rewards.RewardConfig = field(default_factory=lambda: rewards.RewardConfig(factuality="lexical"))
     claim_tau: float = 0.5  # a claim scored below this is flagged unsupported
@@ -91,6 +113,10 @@ class Config:
             raise settings.ConfigError("batch_size, max_new_tokens and max_document_chars must be >= 1")
         if self.batch_wait_ms < 0 or self.log_max_mb <= 0 or self.log_backups < 0:
             raise settings.ConfigError("batch_wait_ms and log_backups must be >= 0, log_max_mb > 0")
+        if min(self.max_queue, self.max_connections) < 1 or min(self.request_timeout_s, self.stuck_after_s,
+                                                                self.shutdown_timeout_s) <= 0:
+            raise settings.ConfigError("max_queue and max_connections must be >= 1; request_timeout_s, "
+                                       "stuck_after_s and shutdown_timeout_s > 0")
         if self.reward.factuality == "oracle":
             raise settings.ConfigError("reward.factuality=oracle needs the news world's fact tables, which a "
                                        "served document does not have: use lexical, support or fenice")
@@ -121,6 +147,8 @@ def parse_request(body: bytes, max_chars: int) -> tuple[str, str | None]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(400, f"body is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise BadRequest(400, "body is nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadRequest(422, f'body must be a JSON object {{"document": "..."}}, not a {type(obj).__name__}')
     unknown = sorted(set(obj) - {"document", "id"})
@@ -139,7 +167,20 @@ def parse_request(body: bytes, max_chars: int) -> tuple[str, str | None]:
     rid = obj.get("id")
     if rid is not None and not isinstance(rid, str):
         raise BadRequest(422, f"field 'id' must be a string, not {type(rid).__name__}")
+    for name, value in (("document", doc), ("id", rid or "")):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") is valid JSON but not text
+            raise BadRequest(422, f"field {name!r} holds a lone surrogate at character {e.start}, "
+                                  "which is not text") from None
     return doc, rid
+
+
+def body_limit(max_chars: int) -> int:
+    """Bytes a request body may have: a document of `max_chars` characters, each
+    JSON-escaped at worst (a character outside the BMP is a 12-byte surrogate pair
+    escape), plus an id and the JSON around them."""
+    return max_chars * 12 + 4096
 
 
 def tool_calls(document: str, ep: sandbox.Episode) -> list[dict]:
@@ -192,8 +233,16 @@ class Engine:
         if cfg.backend == "hf":
             self.model, self.tok = evaluation.load_model(cfg.model, cfg)
             self.limits, self.greedy, self.ban = evaluation.decoding(self.tok, cfg)
+            positions = getattr(self.model.config, "max_position_embeddings", None) or self.greedy.max_context_tokens
+            self.context = min(self.greedy.max_context_tokens, positions)
         else:
             self._load_vllm()
+
+    def check(self, document: str) -> None:
+        """BadRequest(413) when the document's prompt leaves no room to write in the context."""
+        n = len(sandbox.prompt_ids(self.tok, document))
+        if n >= self.context - 1:
+            raise BadRequest(413, f"the document's prompt is {n} tokens; the model's context is {self.context}")
 
     def _load_vllm(self) -> None:  # pragma: no cover - GPU stack
         modeling._require("vllm", "backend=vllm")
@@ -211,6 +260,7 @@ class Engine:
                          gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
         self.lora = LoRARequest("policy", 1, mcfg.adapter_path) if rank else None
         self.limits, self.greedy, self.ban = evaluation.decoding(self.tok, cfg)
+        self.context = mcfg.max_seq_len  # vLLM rejects a whole batch holding a longer prompt
 
     def run(self, documents: list[str]) -> list[tuple[dict, sandbox.Episode]]:
         """(response body, episode) per document, in order."""
@@ -291,18 +341,27 @@ class Metrics:
 
 
 class Batcher:
-    """Collects requests into engine batches; one worker thread owns the engine."""
+    """Collects requests into engine batches; one worker thread owns the engine.
+
+    `submit` puts a request in the bounded queue (asyncio.QueueFull when it is
+    full) and returns its future; cancelling the future before its batch starts
+    keeps its row out of the batch. A batch that raises is decoded again one
+    request at a time, so only the request that cannot be decoded fails."""
 
     def __init__(self, engine: Engine, cfg: Config, metrics: Metrics):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.max_queue)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.in_hand: list = []  # the (document, future) pairs of the batch being decoded
+        self.busy_since: float | None = None  # time.monotonic() when that batch started
+        self.last_batch: float | None = None  # when the last batch finished
+        self.restarts = 0
 
-    async def submit(self, document: str) -> dict:
+    def submit(self, document: str) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self.queue.put_nowait((document, fut))
         self.metrics.queue.set(self.queue.qsize())
-        return await fut
+        return fut
 
     async def _next_batch(self) -> list:
         loop = asyncio.get_running_loop()
@@ -315,7 +374,7 @@ class Batcher:
             except (asyncio.QueueEmpty, asyncio.TimeoutError):
                 break
         self.metrics.queue.set(self.queue.qsize())
-        return [(d, f) for d, f in batch if not f.cancelled()]  # a client that hung up is not decoded
+        return [(d, f) for d, f in batch if not f.done()]  # past its deadline or hung up: not decoded
 
     def _work(self, documents: list[str]) -> list[dict]:
         t0 = time.perf_counter()
@@ -326,23 +385,69 @@ class Batcher:
             r["batch_size"] = len(documents)
         return out
 
-    async def run(self) -> None:
+    async def _decode(self, batch: list) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self.worker, self._work, [d for d, _ in batch])
+        except Exception as e:
+            if len(batch) == 1:  # this request cannot be decoded: it answers 500, the server goes on
+                if not batch[0][1].done():
+                    batch[0][1].set_exception(e)
+                return
+            for one in batch:  # find the request that failed it: each alone
+                if not one[1].done():
+                    await self._decode([one])
+            return
+        for (_, fut), r in zip(batch, results):
+            if not fut.done():
+                fut.set_result(r)
+
+    async def run(self) -> None:
         while True:
             batch = await self._next_batch()
             if not batch:
                 continue
             self.metrics.batch.observe(len(batch))
+            self.in_hand, self.busy_since = batch, time.monotonic()
             try:
-                results = await loop.run_in_executor(self.worker, self._work, [d for d, _ in batch])
-            except Exception as e:  # the engine failed on this batch: its requests get 500, the server goes on
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (_, fut), r in zip(batch, results):
+                await self._decode(batch)
+            finally:
+                self.in_hand, self.busy_since, self.last_batch = [], None, time.monotonic()
+
+    async def supervise(self) -> None:
+        """Run the batcher, and start it again whenever it dies (its requests in hand answer 500)."""
+        while True:
+            task = asyncio.create_task(self.run())
+            self.task = task
+            try:
+                await task
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the server is stopping
+                    task.cancel()
+                    raise
+            except Exception:
+                logging.getLogger("serve").exception("the batcher died; restarting it")
+            for _, fut in self.in_hand:
                 if not fut.done():
-                    fut.set_result(r)
+                    fut.set_exception(RuntimeError("the batcher was restarted while decoding this request"))
+            self.in_hand, self.busy_since = [], None
+            self.restarts += 1
+
+    def state(self) -> dict:
+        """What /health reports: queue depth, the batch in hand and how long it has run, the
+        last batch's age, restarts, and whether the engine looks stuck."""
+        now = time.monotonic()
+        running = None if self.busy_since is None else round(now - self.busy_since, 3)
+        return {"queue": self.queue.qsize(), "max_queue": self.cfg.max_queue, "in_batch": len(self.in_hand),
+                "batch_running_s": running,
+                "last_batch_age_s": None if self.last_batch is None else round(now - self.last_batch, 3),
+                "batcher_restarts": self.restarts, "stuck": running is not None and running > self.cfg.stuck_after_s}
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client hangs up (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def make_app(cfg: Config, engine: Engine):
@@ -354,25 +459,43 @@ def make_app(cfg: Config, engine: Engine):
     metrics, log = Metrics(), episode_logger(cfg)
     state: dict = {}
     started = time.time()
-    body_limit = cfg.max_document_chars * 4 + 4096  # a document at the limit, in UTF-8, plus the JSON around it
+    limit = body_limit(cfg.max_document_chars)
 
-    def error(status: int, reason: str) -> JSONResponse:
+    def error(status: int, reason: str, headers: dict | None = None) -> JSONResponse:
         metrics.requests.labels(str(status)).inc()
-        return JSONResponse({"error": reason}, status_code=status)
+        return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
     async def summarize(request):
         t0 = time.perf_counter()
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
-            if len(body) > body_limit:
-                return error(413, f"body over {body_limit} bytes (max_document_chars={cfg.max_document_chars})")
+            if len(body) > limit:
+                return error(413, f"body over {limit} bytes (max_document_chars={cfg.max_document_chars})")
         try:
             document, rid = parse_request(bytes(body), cfg.max_document_chars)
+            engine.check(document)
         except BadRequest as e:
             return error(e.status, str(e))
+        batcher: Batcher = state["batcher"]
         try:
-            response = await state["batcher"].submit(document)
+            fut = batcher.submit(document)
+        except asyncio.QueueFull:
+            return error(503, f"busy: {cfg.max_queue} requests are waiting (max_queue); retry later",
+                         headers={"Retry-After": "1"})
+        hangup = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([fut, hangup], timeout=cfg.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+        if not fut.done():
+            fut.cancel()  # still queued: never decoded; decoding: its answer is dropped
+            if hangup.done() and not hangup.cancelled():
+                metrics.requests.labels("499").inc()  # the client closed the request (nginx's code)
+                return Response(status_code=499)
+            return error(504, f"no answer within {cfg.request_timeout_s:g} s (request_timeout_s)")
+        try:
+            response = fut.result()
         except Exception as e:
             return error(500, f"engine error: {type(e).__name__}: {e}".splitlines()[0])
         response = {"id": rid or uuid.uuid4().hex, **response,
@@ -385,9 +508,12 @@ def make_app(cfg: Config, engine: Engine):
         return JSONResponse(response)
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": cfg.model, "backend": cfg.backend,
+        b: Batcher = state["batcher"]
+        st = b.state()
+        ok = not st["stuck"] and not state["supervisor"].done()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": cfg.model, "backend": cfg.backend,
                              "factuality": rewards.BACKEND_NAMES[cfg.reward.factuality],
-                             "uptime_s": round(time.time() - started, 1)})
+                             "uptime_s": round(time.time() - started, 1), **st}, status_code=200 if ok else 503)
 
     async def prometheus(request):
         body, kind = metrics.text()
@@ -396,15 +522,25 @@ def make_app(cfg: Config, engine: Engine):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state["batcher"] = batcher = Batcher(engine, cfg, metrics)
-        task = asyncio.create_task(batcher.run())
+        state["supervisor"] = task = asyncio.create_task(batcher.supervise())
         try:
             yield
-        finally:
+        finally:  # uvicorn has answered the requests in flight (up to shutdown_timeout_s) before this
             task.cancel()
             batcher.worker.shutdown(wait=False, cancel_futures=True)
 
-    return Starlette(routes=[Route("/v1/summarize", summarize, methods=["POST"]), Route("/health", health),
-                             Route("/metrics", prometheus)], lifespan=lifespan)
+    app = Starlette(routes=[Route("/v1/summarize", summarize, methods=["POST"]), Route("/health", health),
+                            Route("/metrics", prometheus)], lifespan=lifespan)
+    app.state.serve = state  # the batcher, for tests and debugging
+    return app
+
+
+def uvicorn_config(app, cfg: Config):
+    """uvicorn's settings for `app`: a connection limit, the graceful shutdown, no access log."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, limit_concurrency=cfg.max_connections,
+                          timeout_graceful_shutdown=cfg.shutdown_timeout_s)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -464,7 +600,7 @@ def main(cfg: Config) -> None:
     engine = Engine(cfg)
     sock = listening_socket(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(make_app(cfg, engine), log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn_config(make_app(cfg, engine), cfg))
     print(f"serving {cfg.model} ({cfg.backend}; factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}) "
           f"on http://{host}:{port}  (log: {cfg.log or 'off'})", flush=True)
     server.run(sockets=[sock])
