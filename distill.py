@@ -399,7 +399,6 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
 def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
     dev = common.device()
-    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev)
     common.seed_everything(cfg.seed)
     limits = sandbox.Limits.make(**cfg.limits)
 
@@ -418,6 +417,7 @@ def main(cfg: Config) -> dict:
     if not Path(cfg.teacher).exists():
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
     teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, teacher)  # the teacher's width decides
     with common.autocast(bf16, dev, teacher):
         episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "

@@ -478,6 +478,8 @@ def load_model(path: str, cfg: Config):
 def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None) -> dict:
     """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it."""
     model, tok = load_model(path, cfg)
+    dev = next(model.parameters()).device.type
+    print(f"{path}: {common.choose_autocast(cfg.autocast, dev, common.hidden_size(model))[1]}")
     with common.autocast_for(cfg.autocast, model):
         return evaluate(model, tok, documents, cfg, keep)
 

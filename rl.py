@@ -457,10 +457,10 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                          "(the api backend makes teacher episodes: data.teacher)")
     run = common.start_run(cfg)
     dev_type = common.device()
-    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type)
-    amp = lambda: common.autocast(bf16, dev_type, model)  # noqa: E731  (rollouts and updates both, entered per call)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type, model)
+    amp = lambda: common.autocast(bf16, dev_type, model)  # noqa: E731  (rollouts and updates both, entered per call)
     vllm = cfg.sampling.backend == "vllm"
     if vllm and not hasattr(model, "vllm_engine"):
         raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, model.fast_inference=true")

@@ -588,10 +588,10 @@ def load_model(cfg: Config):
 def main(cfg: Config) -> dict:
     run = common.start_run(cfg)
     dev = common.device()
-    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev)
-    amp = lambda: common.autocast(bf16, dev, model)  # noqa: E731  (entered per step: see common.autocast)
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, model)
+    amp = lambda: common.autocast(bf16, dev, model)  # noqa: E731  (entered per step: see common.autocast)
     limits = sandbox.Limits.make(**cfg.limits)
     gen = rollout.make_generator(cfg.seed, model)
 

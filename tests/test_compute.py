@@ -37,6 +37,23 @@ def test_auto_picks_bf16_only_with_native_units(monkeypatch, capability, avx512_
     assert forced and (why == "autocast=bf16") is chosen  # forcing it where it is slow says so
 
 
+def test_auto_keeps_a_narrow_model_in_fp32_on_a_bf16_cpu(monkeypatch):
+    """Below BF16_MIN_HIDDEN_CPU the casts cost more than bf16 saves: auto says fp32 and
+    why; a wide model, a forced bf16 and a GPU are not affected."""
+    from helpers import bpe_tokenizer, tiny_llama
+
+    _cpu(monkeypatch, "AVX512", amx=True)
+    narrow = tiny_llama(bpe_tokenizer(), hidden=64)
+    on, why = common.choose_autocast("auto", "cpu", common.hidden_size(narrow))
+    assert not on and "hidden size 64 < 512" in why
+    assert common.choose_autocast("auto", "cpu", 576)[0] and common.choose_autocast("auto", "cpu")[0]
+    assert common.choose_autocast("bf16", "cpu", 64)[0]
+    assert common.setup_compute(0, "auto", "cpu", narrow) is False
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a: True)
+    assert common.choose_autocast("auto", "cuda", 64)[0]
+
+
 def test_auto_on_cuda_follows_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA T4")
     for supported in (True, False):
