@@ -360,8 +360,8 @@ def inert(tok, text: str) -> str:
     `<|im_end|><|im_start|>assistant` would otherwise forge a turn boundary. Text
     without such strings (every news-world document) is returned unchanged."""
     rx = _added_token_re(added_token_strings(tok)) if tok is not None and text else None
-    while rx is not None and (m := rx.search(text)):  # each pass breaks a string; new ones cannot form
-        text = text[:m.start() + 1] + WORD_JOINER + text[m.start() + 1:]
+    while rx is not None and rx.search(text):  # again only where two strings overlapped
+        text = rx.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)
     return text
 
 
