@@ -122,7 +122,8 @@ class Config:
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
     # bf16 autocast of training, teacher episodes and the comparison (weights and optimizer fp32):
-    # "auto" only where the hardware multiplies bf16 natively (common.choose_autocast)
+    # "auto" only where the hardware multiplies bf16 natively, for a teacher wide enough
+    # (common.choose_autocast)
     autocast: common.Autocast = "auto"
 
     def __post_init__(self):

@@ -70,7 +70,7 @@ class Config:
     html_samples: int = 8  # greedy episodes per model in samples.html
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
-    autocast: common.Autocast = "auto"  # bf16 decoding only where the hardware has it natively (common.choose_autocast)
+    autocast: common.Autocast = "auto"  # bf16 decoding where the hardware has it natively, per model (common.choose_autocast)
 
     def __post_init__(self):
         if min(self.n_docs, self.max_new_tokens, self.batch_size) < 1 or self.n_samples < 0:

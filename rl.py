@@ -143,7 +143,8 @@ class Config:
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
     # bf16 autocast of rollouts and updates (weights and optimizer fp32): "auto" only where the
-    # hardware multiplies bf16 natively (common.choose_autocast); "none" / "bf16" force it
+    # hardware multiplies bf16 natively, for a model wide enough (common.choose_autocast);
+    # "none" / "bf16" force it
     autocast: common.Autocast = "auto"
 
     def __post_init__(self):

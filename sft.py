@@ -150,8 +150,8 @@ class Config:
     # branch: each branch its own sequence (any attention implementation, e.g. Unsloth's)
     score_method: Literal["tree", "branch"] = "tree"
     # bf16 autocast of forward and backward, weights and optimizer in fp32: "auto" turns it on
-    # only where the hardware multiplies bf16 natively (common.choose_autocast; about 2x per
-    # step there, many times slower on an AVX2-only CPU); "none" / "bf16" force it
+    # only where the hardware multiplies bf16 natively and, on a CPU, for a model 512 wide or
+    # more (common.choose_autocast; many times slower on an AVX2-only CPU); "none" / "bf16" force it
     autocast: common.Autocast = "auto"
     torch_threads: int = 0  # CPU threads for torch (0 = its default); 1 when other jobs share the cores
     log_every: int = 10  # steps between step lines
