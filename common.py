@@ -356,7 +356,9 @@ def rng_state(generators: dict | None = None) -> dict:
     torch.Generator objects of the script (e.g. the rollout sampler)."""
     import torch
 
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    st = {"python": random.getstate(),  # plain lists and ints, so checkpoints load with weights_only=True
+          "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)], "torch": torch.get_rng_state(),
           "generators": {k: g.get_state() for k, g in (generators or {}).items()}}
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -366,13 +368,28 @@ def rng_state(generators: dict | None = None) -> dict:
 def set_rng_state(st: dict, generators: dict | None = None) -> None:
     import torch
 
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    random.setstate(tuple(st["python"][:1]) + (tuple(st["python"][1]),) + tuple(st["python"][2:]))
+    name, keys, *rest = st["numpy"]  # a list (this version) or numpy's own tuple (older checkpoints)
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
     for k, g in (generators or {}).items():
         g.set_state(st["generators"][k])
+
+
+def load_trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer.pt, loaded with weights_only=True: tensors and plain Python
+    only, so a checkpoint from elsewhere cannot run code. Older checkpoints held numpy's
+    RNG state as an array: numpy's array reconstruction is the one extra type allowed."""
+    import torch
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
@@ -434,7 +451,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=No
     with torch.no_grad():
         for n, t in saved.items():
             params[n].copy_(t.to(params[n].device, params[n].dtype))
-    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    trainer = load_trainer_state(path / "trainer.pt")
     if optimizer is not None and trainer["optimizer"] is not None:
         optimizer.load_state_dict(trainer["optimizer"])
     if scheduler is not None and trainer["scheduler"] is not None:

@@ -675,8 +675,8 @@ class Curriculum:
         return False
 
     def state_dict(self) -> dict:
-        return {"stage": self.stage, "window": list(self.window), "raises": list(self.raises),
-                "seen": self.seen, "taus": list(self.cfg.taus)}
+        return {"stage": int(self.stage), "window": [float(x) for x in self.window], "raises": list(self.raises),
+                "seen": int(self.seen), "taus": [float(t) for t in self.cfg.taus]}
 
     def load_state_dict(self, state: dict) -> None:
         if list(state.get("taus", self.cfg.taus)) != list(self.cfg.taus):

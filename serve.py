@@ -52,11 +52,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import http.client
 import json
 import logging
 import logging.handlers
+import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -69,7 +73,6 @@ from pathlib import Path
 from typing import Literal
 
 import common
-import data
 import eval as evaluation
 import modeling
 import rewards
@@ -103,7 +106,9 @@ class Config:
     log: str = "runs/serve/episodes.jsonl"  # every served episode and its scores ("" = off)
     log_max_mb: float = 64.0  # the log rotates past this size ...
     log_backups: int = 5  # ... keeping this many old files (LOG.1 is the newest)
-    log_documents: bool = True  # keep each request's document in the log (false: its length and hash only)
+    # keep the documents and every text taken from them (search results, retracted text, summary,
+    # claims) in the log; false: their lengths and a keyed hash of the document only
+    log_documents: bool = False
     gpu_memory_utilization: float = 0.85  # vllm backend
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
@@ -279,8 +284,32 @@ class Engine:
 # ---------------------------------------------------------------------------
 
 
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A size-rotated log whose files only their owner can read (0600, whatever the umask)."""
+
+    def _open(self):
+        stream = open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors,
+                      opener=lambda path, flags: os.open(path, flags, 0o600))
+        os.chmod(self.baseFilename, 0o600)  # a file an older server left readable
+        return stream
+
+
+def hash_key(log_path: str | Path) -> bytes:
+    """The key of the log's document hashes: random, made once beside the log (0600). A
+    plain hash of a known document would tell anyone holding the log that it was sent."""
+    path = Path(log_path).parent / "document_hash.key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_bytes()
+    key = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
+
+
 def episode_logger(cfg: Config) -> logging.Logger | None:
-    """A logger writing one JSON line per record to `cfg.log`, rotated by size."""
+    """A logger writing one JSON line per record to `cfg.log`, rotated by size, files 0600."""
     if not cfg.log:
         return None
     Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
@@ -290,18 +319,35 @@ def episode_logger(cfg: Config) -> logging.Logger | None:
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
-    h = logging.handlers.RotatingFileHandler(cfg.log, maxBytes=int(cfg.log_max_mb * 2**20),
-                                             backupCount=cfg.log_backups, encoding="utf-8")
+    h = PrivateRotatingFileHandler(cfg.log, maxBytes=int(cfg.log_max_mb * 2**20), backupCount=cfg.log_backups,
+                                   encoding="utf-8")
     h.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(h)
     return log
 
 
-def log_record(cfg: Config, document: str, response: dict) -> dict:
-    """The log line of one served episode: the response, the document (or its hash) and the time."""
-    doc = {"document": document} if cfg.log_documents else {"document_sha": data.content_hash(document)}
-    return {"time": time.time(), "model": cfg.model, "backend": cfg.backend, **doc, "n_chars": len(document),
-            **response}
+def log_record(cfg: Config, document: str, response: dict, key: bytes | None = None) -> dict:
+    """The log line of one served episode: the time, the response and the document. With
+    `log_documents` false, no text from the document is kept: the document becomes its
+    keyed hash (HMAC-SHA256 under `key`), and search results, retracted text, the summary,
+    the whole written text and the unsupported claims their lengths and counts (what
+    monitor.py reads stays)."""
+    head = {"time": time.time(), "model": cfg.model, "backend": cfg.backend, "n_chars": len(document)}
+    if cfg.log_documents:
+        return {**head, "document": document, **response}
+    calls = []
+    for c in response["tool_calls"]:
+        kept = {k: c[k] for k in ("kind", "scope", "valid", "error") if k in c}
+        if c["kind"] == "search":
+            kept.update(query_chars=len(c["query"]), n_results=len(c["results"]))
+        else:
+            kept["retracted_chars"] = len(c.get("retracted") or "")
+        calls.append(kept)
+    hidden = {"summary", "text", "tool_calls", "unsupported_claims"}
+    return {**head, "document_hmac": hmac.new(key or b"", document.encode("utf-8"), hashlib.sha256).hexdigest(),
+            **{k: v for k, v in response.items() if k not in hidden}, "summary_chars": len(response["summary"]),
+            "text_chars": len(response.get("text") or ""), "tool_calls": calls,
+            "n_unsupported_claims": len(response.get("unsupported_claims") or [])}
 
 
 class Metrics:
@@ -457,6 +503,7 @@ def make_app(cfg: Config, engine: Engine):
     from starlette.routing import Route
 
     metrics, log = Metrics(), episode_logger(cfg)
+    key = hash_key(cfg.log) if log is not None and not cfg.log_documents else None
     state: dict = {}
     started = time.time()
     limit = body_limit(cfg.max_document_chars)
@@ -504,7 +551,7 @@ def make_app(cfg: Config, engine: Engine):
         metrics.requests.labels("200").inc()
         metrics.episode(response)
         if log is not None:
-            log.info(json.dumps(log_record(cfg, document, response), allow_nan=False))
+            log.info(json.dumps(log_record(cfg, document, response, key), allow_nan=False))
         return JSONResponse(response)
 
     async def health(request):

@@ -43,6 +43,29 @@ def test_save_load_restores_everything(tmp_path):
     assert sched.last_epoch == 1 and opt.state_dict()["state"]
 
 
+class Payload:  # what a hostile trainer.pt could hold: an object whose unpickling runs code
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_checkpoints_load_with_weights_only_and_refuse_other_objects(tmp_path):
+    net = tiny_net()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    sched = common.cosine_schedule(opt, 2, 10)
+    path = common.save_checkpoint(tmp_path, 1, net, opt, sched, state={"cursor": 7})
+    torch.load(path / "trainer.pt", weights_only=True)  # plain data: no allowlist needed
+    old = torch.load(path / "trainer.pt", weights_only=True)
+    np.random.seed(3)
+    old["rng"]["numpy"] = np.random.get_state()  # how older versions stored it: numpy's tuple with an array
+    want = np.random.rand()
+    torch.save(old, path / "trainer.pt")
+    assert common.load_checkpoint(path, net, opt, sched)["state"] == {"cursor": 7}
+    assert np.random.rand() == want
+    torch.save({**old, "state": {"x": Payload()}}, path / "trainer.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        common.load_checkpoint(path, net, opt, sched)
+
+
 def test_only_complete_checkpoints_count_and_old_ones_are_pruned(tmp_path):
     net = tiny_net()
     for s in (1, 2, 3):

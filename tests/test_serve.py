@@ -65,16 +65,24 @@ def test_the_body_cap_fits_any_document_under_the_character_limit_however_it_is_
             serve.parse_request(over, LIMIT)
 
 
-def test_the_response_shows_each_search_result_and_what_each_delete_retracted():
+WRONG = "Acme bought Beta for 9 million."
+
+
+def scripted_response():
+    """A served episode that searches, retracts WRONG and rewrites it, as the client sees it."""
     tok = bpe_tokenizer()
     model = tiny_llama(tok)
-    wrong = "Acme bought Beta for 9 million."
-    written = f"{wrong}<search>Globex</search><delete scope=\"sentence\"/> Acme bought Beta."
+    written = f"{WRONG}<search>Globex</search><delete scope=\"sentence\"/> Acme bought Beta."
     cfg = rollout.SamplingConfig(temperature=0.0, max_new_tokens=64)
     (ep,) = rollout.rollout(model, tok, [DOC], 1, cfg, logits_processor=rollout.ScriptedProcessor(
         {0: script_ids(tok, written)}))
     score = rewards.score(DOC, ep, rewards.RewardConfig(factuality="lexical"))
-    r = serve.episode_response(DOC, ep, score, tau=0.5)
+    return ep, serve.episode_response(DOC, ep, score, tau=0.5)
+
+
+def test_the_response_shows_each_search_result_and_what_each_delete_retracted():
+    ep, r = scripted_response()
+    wrong = WRONG
     search, delete = r["tool_calls"]
     index = sandbox.index_for(DOC)
     assert search["kind"] == "search" and search["query"] == "Globex" and search["results"]
@@ -85,6 +93,30 @@ def test_the_response_shows_each_search_result_and_what_each_delete_retracted():
     assert r["tokens"]["generated"] == sum(len(t.ids) for t in ep.turns) and r["tokens"]["tool_results"] > 0
     assert r["hallucination"] == bool(r["unsupported_claims"])
     json.dumps(r, allow_nan=False)
+
+
+def test_the_log_keeps_no_text_of_the_document_unless_asked(tmp_path):
+    import dataclasses
+    import hashlib
+    import hmac
+    import os
+
+    _, r = scripted_response()
+    cfg = serve.Config(model="m", log=str(tmp_path / "episodes.jsonl"))
+    assert not cfg.log_documents  # the default
+    key = serve.hash_key(cfg.log)
+    assert serve.hash_key(cfg.log) == key and len(key) == 32
+    assert os.stat(tmp_path / "document_hash.key").st_mode & 0o777 == 0o600
+    rec = serve.log_record(cfg, DOC, r, key)
+    text = json.dumps(rec)
+    for t in sandbox.index_for(DOC).sentences + [WRONG, r["summary"]]:
+        assert t not in text
+    assert rec["document_hmac"] == hmac.new(key, DOC.encode(), hashlib.sha256).hexdigest()
+    assert [c["kind"] for c in rec["tool_calls"]] == ["search", "delete"] and rec["tool_calls"][1]["retracted_chars"]
+    full = serve.log_record(dataclasses.replace(cfg, log_documents=True), DOC, r)
+    assert full["document"] == DOC and full["tool_calls"] == r["tool_calls"] and full["summary"] == r["summary"]
+    same = {k: v for k, v in monitor.episode_figures(rec).items() if k != "time"}
+    assert same == {k: v for k, v in monitor.episode_figures(full).items() if k != "time"}  # the monitor reads both
 
 
 def test_flags_become_key_value_overrides_and_the_oracle_is_refused():
@@ -146,8 +178,11 @@ def test_200_requests_from_16_clients_each_get_their_answer_and_none_is_lost(ser
     metrics = _post(port, "/metrics")[1]
     assert re.search(r'summarize_requests_total\{status="200"\} 160\.0', metrics)
     assert sum(float(v) for v in re.findall(r'summarize_requests_total\{status="4\d\d"\} (\S+)', metrics)) == 40
-    logged = [json.loads(line) for p in sorted(log.parent.glob(log.name + "*")) for line in p.open()]
+    files = sorted(log.parent.glob(log.name + "*"))
+    logged = [json.loads(line) for p in files for line in p.open()]
     assert list(log.parent.glob(log.name + ".*")) and len(logged) == 160  # rotated, none lost
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files)  # rotated files too
+    assert not any("document" in r or "summary" in r for r in logged)  # log_documents=false by default
     assert sorted(r["id"] for r in logged) == sorted(rid for _, s, rid in jobs if s == 200)
 
 
