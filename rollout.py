@@ -985,48 +985,94 @@ class ApiError(RuntimeError):
     pass
 
 
+def token_count(value) -> int:
+    """A usage field as an int (0 when a server sends none, or junk)."""
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """An API answers a POST where it was sent: a redirect is refused, so the request (and
+    its Authorization header) never follows it to another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise ApiError(f"{req.full_url}: HTTP {code} redirect to {newurl} not followed")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 class ApiClient:
-    """A small OpenAI-compatible client: retries with exponential backoff on
-    429/5xx/timeouts, a concurrency limit, token accounting. stdlib only."""
+    """A small OpenAI-compatible client: retries on 429/5xx/timeouts with jittered
+    exponential backoff (or the server's Retry-After, up to `max_wait_s`), a
+    concurrency limit, a cap on the response size, no redirects, token accounting.
+    stdlib only."""
 
     def __init__(self, base: str, model: str, key: str | None = None, timeout_s: float = 60.0, retries: int = 5,
-                 concurrency: int = 8, backoff_s: float = 0.5):
+                 concurrency: int = 8, backoff_s: float = 0.5, max_response_bytes: int = 8 << 20,
+                 max_wait_s: float = 60.0):
         self.base, self.model, self.key = base.rstrip("/"), model, key
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.max_response_bytes, self.max_wait_s = max_response_bytes, max_wait_s
         self._sem = threading.Semaphore(concurrency)
         self._lock = threading.Lock()
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "requests": 0, "retries": 0}
+
+    def _wait(self, attempt: int, retry_after: str | None) -> float:
+        """Seconds before retry `attempt`: the server's Retry-After (seconds) when it
+        sent one, else backoff_s * 2^(attempt-1) with full jitter; never over max_wait_s."""
+        import random
+
+        try:
+            told = float(retry_after) if retry_after else None
+        except ValueError:  # an HTTP date: not worth parsing, back off as usual
+            told = None
+        wait = told if told is not None and told >= 0 else self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1)
+        return min(wait, self.max_wait_s)
+
+    def _read(self, resp) -> dict:
+        raw = resp.read(self.max_response_bytes + 1)
+        if len(raw) > self.max_response_bytes:
+            raise ApiError(f"response over {self.max_response_bytes} bytes (max_response_bytes)")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ApiError(f"response is not JSON ({type(e).__name__}: {str(e)[:100]})") from None
 
     def post(self, path: str, body: dict) -> dict:
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
-        last = None
+        last, retry_after = None, None
         for attempt in range(self.retries + 1):
             if attempt:
                 with self._lock:
                     self.usage["retries"] += 1
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(self._wait(attempt, retry_after))
             req = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
             try:
-                with self._sem, urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    out = json.loads(resp.read().decode())
+                with self._sem, _OPENER.open(req, timeout=self.timeout_s) as resp:
+                    out = self._read(resp)
             except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}: {e.read()[:200]!r}"
+                last, retry_after = f"HTTP {e.code}: {e.read(200)!r}", e.headers.get("Retry-After")
                 if e.code == 429 or e.code >= 500:
                     continue
                 raise ApiError(f"{self.base + path}: {last}") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                last = f"{type(e).__name__}: {e}"
+                last, retry_after = f"{type(e).__name__}: {e}", None
                 continue
-            except json.JSONDecodeError as e:
-                raise ApiError(f"{self.base + path}: response is not JSON ({e})") from None
+            except ApiError as e:
+                raise ApiError(f"{self.base + path}: {e}") from None
+            if not isinstance(out, dict):
+                raise ApiError(f"{self.base + path}: response is a JSON {type(out).__name__}, not an object")
             with self._lock:
                 self.usage["requests"] += 1
-                u = out.get("usage") or {}
-                self.usage["prompt_tokens"] += int(u.get("prompt_tokens", 0) or 0)
-                self.usage["completion_tokens"] += int(u.get("completion_tokens", 0) or 0)
+                u = out.get("usage") if isinstance(out.get("usage"), dict) else {}
+                self.usage["prompt_tokens"] += token_count(u.get("prompt_tokens"))
+                self.usage["completion_tokens"] += token_count(u.get("completion_tokens"))
             return out
         raise ApiError(f"{self.base + path}: gave up after {self.retries + 1} attempts ({last})")
 

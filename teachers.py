@@ -69,6 +69,8 @@ class TeacherConfig:
     # USD per million input/output tokens, per model name
     prices_per_mtok: dict[str, dict[str, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
     cache_dir: str = "out/teacher_cache"  # one JSON file per request hash (api and model backends)
+    max_paid_calls: int = 0  # stop the run before the API call past this many new (paid) ones (0 = no cap)
+    max_response_mb: float = 8.0  # a larger API response is refused
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # model backend: the local teacher
     generate: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0, max_new_tokens=512))
 
@@ -111,10 +113,32 @@ class DiskCache:
         common.atomic_write_text(self.path(key), json.dumps(record, ensure_ascii=False))
 
 
-def request_key(path: str, body: dict) -> str:
-    """sha256 of the canonical request (endpoint path + JSON body, keys sorted)."""
-    canon = json.dumps({"path": path, "body": body}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def request_key(path: str, body: dict, base: str | None = None) -> str:
+    """sha256 of the canonical request (the server's base URL, the endpoint path and the
+    JSON body, keys sorted): the same model name on another server is another answer."""
+    req = {"path": path, "body": body} if base is None else {"base": base.rstrip("/"), "path": path, "body": body}
+    canon = json.dumps(req, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+class SpendCapReached(SystemExit):
+    """The run stopped before paying for more than `max_paid_calls` API calls. Every answer
+    paid so far is in the cache: a rerun (with a higher cap) pays for none of them again."""
+
+
+def complete_answer(response) -> tuple[str | None, str | None]:
+    """(the text of a chat completion, None), or (None, why it is not a complete answer):
+    no choices[0].message.content, an empty one, or one cut at max_tokens."""
+    try:
+        choice = response["choices"][0]
+        text = choice["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return None, "response has no choices[0].message.content"
+    if not isinstance(text, str) or not text.strip():
+        return None, "response has an empty message content"
+    if choice.get("finish_reason") == "length":
+        return None, "response was cut at max_tokens (finish_reason=length)"
+    return text, None
 
 
 def price_usd(prices: dict[str, dict[str, float]], model: str, prompt_tokens: int, completion_tokens: int) -> float:
@@ -165,7 +189,8 @@ class ApiTeacher(Teacher):
             import rollout  # torch comes with it: only teachers that call out pay for the import
 
             client = rollout.ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.timeout_s,
-                                       cfg.retries, cfg.concurrency, cfg.backoff_s)
+                                       cfg.retries, cfg.concurrency, cfg.backoff_s,
+                                       max_response_bytes=int(cfg.max_response_mb * 2**20))
         self.cfg, self.client, self.cache = cfg, client, DiskCache(cfg.cache_dir)
         self.name = f"api:{cfg.api_model}"
         if cfg.api_model not in cfg.prices_per_mtok:
@@ -179,35 +204,61 @@ class ApiTeacher(Teacher):
             body["response_format"] = {"type": "json_object"}
         return body
 
+    def _cached(self, body: dict) -> tuple[str, dict | None]:
+        """(the cache key, the cached record or None). A record written before keys held
+        the base URL is found under its old key and moved to the new one; an incomplete
+        answer an older version cached counts as none."""
+        key = request_key("/chat/completions", body, self.cfg.api_base)
+        rec = self.cache.get(key)
+        if rec is None:
+            old = self.cache.get(request_key("/chat/completions", body))
+            if old is not None:
+                self.cache.put(key, old)
+                rec = old
+        if rec is not None and complete_answer(rec.get("response"))[1] is not None:
+            rec = None  # an older version kept a truncated or empty answer: ask again
+        return key, rec
+
+    def _pay(self) -> None:
+        """Count one new API call; stop the run instead when it would pass max_paid_calls."""
+        with self._lock:
+            if self.cfg.max_paid_calls and self.stats["paid_calls"] >= self.cfg.max_paid_calls:
+                raise SpendCapReached(
+                    f"teacher: max_paid_calls={self.cfg.max_paid_calls} reached (${self.spent_usd:.4f} spent); "
+                    "every answer so far is cached: rerun with a higher cap to go on, paying for none twice")
+            self.stats["paid_calls"] += 1
+
     def chat(self, messages: list[dict]) -> Reply:
         import rollout
 
         body = self.body(messages)
-        key = request_key("/chat/completions", body)
-        rec = self.cache.get(key)
+        key, rec = self._cached(body)
         cached = rec is not None
         if not cached:
+            self._pay()
             try:
                 out = self.client.post("/chat/completions", body)
-            except rollout.ApiError as e:  # gave up after retries, or a 4xx: nothing to cache
+            except rollout.ApiError as e:  # gave up after retries, a 4xx, junk: nothing to cache
                 return self._count(Reply(None, f"api: {e}"))
-            usage = out.get("usage") or {}
-            pt, ct = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-            rec = {"request": body, "response": out, "prompt_tokens": pt, "completion_tokens": ct,
-                   "cost_usd": price_usd(self.cfg.prices_per_mtok, self.cfg.api_model, pt, ct), "time": time.time()}
+            usage = out.get("usage") if isinstance(out.get("usage"), dict) else {}
+            pt, ct = rollout.token_count(usage.get("prompt_tokens")), rollout.token_count(usage.get("completion_tokens"))
+            rec = {"request": body, "base": self.cfg.api_base, "response": out, "prompt_tokens": pt,
+                   "completion_tokens": ct, "cost_usd": price_usd(self.cfg.prices_per_mtok, self.cfg.api_model, pt, ct),
+                   "time": time.time()}
+            text, error = complete_answer(out)
+            if error is not None:  # paid, but not an answer to keep: asked again next time
+                with self._lock:
+                    self.spent_usd += rec["cost_usd"]
+                return self._count(Reply(None, f"api: {error}", pt, ct))
             self.cache.put(key, rec)
-        try:
-            text = rec["response"]["choices"][0]["message"]["content"]
-            error = None if isinstance(text, str) else "response has no message content"
-        except (KeyError, IndexError, TypeError):
-            text, error = None, "response has no choices[0].message.content"
+        text, error = complete_answer(rec["response"])
         r = Reply(text if error is None else "", error, rec["prompt_tokens"], rec["completion_tokens"],
                   rec["cost_usd"], cached)
         return self._count(r)
 
     def chat_many(self, requests):
         # Identical requests in one batch (two drafts that came out the same) are asked once.
-        keys = [request_key("/chat/completions", self.body(m)) for m, _ in requests]
+        keys = [request_key("/chat/completions", self.body(m), self.cfg.api_base) for m, _ in requests]
         first: dict[str, int] = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)

@@ -1,5 +1,7 @@
 """The rollout engine: exactness against the re-prefilling oracle, recorded
 contexts, sampler log-probs reproduced by scoring, and the api backend."""
+import time
+
 import pytest
 import torch
 
@@ -414,3 +416,80 @@ def test_a_model_that_post_processes_its_logits_is_scored_through_its_own_forwar
         for a, b in zip(got, want):
             assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b) if x is not None)
     assert not torch.allclose(R.episode_logprobs(plain, eps)[0][0], R.episode_logprobs(capped, eps)[0][0])
+
+
+class _Hostile:
+    """An endpoint on 127.0.0.1 answering by path: a redirect to another host, an oversized
+    body, deep nesting, a JSON array, and a 429 with Retry-After before an answer. Records
+    the Authorization header of every request it receives."""
+
+    def __init__(self, other_port: int = 0):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.auth, self.hits = [], {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.auth.append(self.headers.get("Authorization"))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.auth.append(self.headers.get("Authorization"))
+                path = self.path.rsplit("/", 1)[-1]
+                outer.hits[path] = outer.hits.get(path, 0) + 1
+                headers, status = {}, 200
+                if path == "redirect":  # urllib follows a 302 after a POST as a GET, headers and all
+                    status, body = 302, b""
+                    headers["Location"] = f"http://localhost:{other_port}/v1/steal"
+                elif path == "big":
+                    body = b'{"x": "' + b"a" * 2_000_000 + b'"}'
+                elif path == "nested":
+                    body = b"[" * 5000 + b"]" * 5000
+                elif path == "array":
+                    body = b"[1, 2]"
+                elif path == "busy" and outer.hits[path] == 1:
+                    status, body = 429, b"{}"
+                    headers["Retry-After"] = "0"
+                else:
+                    body = b'{"ok": true}'
+                self.send_response(status)
+                for k, v in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_api_client_refuses_redirects_oversized_and_malformed_answers():
+    other = _Hostile()  # "another host": localhost, not 127.0.0.1
+    srv = _Hostile(other.port)
+    client = R.ApiClient(f"http://127.0.0.1:{srv.port}/v1", "m", key="secret", retries=2, backoff_s=5.0,
+                         max_response_bytes=1 << 20)
+    try:
+        with pytest.raises(R.ApiError, match="redirect to http://localhost"):
+            client.post("/redirect", {})
+        assert other.auth == [] and srv.auth == ["Bearer secret"]  # the key never left for the other host
+        with pytest.raises(R.ApiError, match="over 1048576 bytes"):
+            client.post("/big", {})
+        with pytest.raises(R.ApiError, match="not JSON.*RecursionError"):
+            client.post("/nested", {})
+        with pytest.raises(R.ApiError, match="a JSON list, not an object"):
+            client.post("/array", {})
+        t0 = time.perf_counter()
+        assert client.post("/busy", {}) == {"ok": True}  # Retry-After: 0, not the 5 s backoff
+        assert time.perf_counter() - t0 < 2 and client.usage["retries"] == 1
+    finally:
+        srv.httpd.shutdown()
+        other.httpd.shutdown()

@@ -333,6 +333,60 @@ def test_api_teacher_retries_rejects_junk_and_never_pays_twice(tmp_path):
         server.close()
 
 
+def _teacher_endpoint(answers):
+    """An OpenAI-compatible stand-in: each request's user message names the reply it gets
+    from `answers` (content, finish_reason); returns (base URL, the server, asked messages)."""
+    from helpers import post_server
+
+    asked = []
+
+    def answer(body):
+        msg = body["messages"][-1]["content"]
+        asked.append(msg)
+        content, reason = answers[msg]
+        return 200, {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": reason}],
+                     "usage": {"prompt_tokens": 100, "completion_tokens": 10}}
+
+    url, httpd = post_server(answer)
+    return url, httpd, asked
+
+
+def test_the_teacher_caches_complete_answers_only_per_server_and_stops_at_its_spend_cap(tmp_path):
+    answers = {"a": ('{"ok": 1}', "stop"), "b": ('{"ok": 2}', "stop"), "c": ('{"ok": 3}', "stop"),
+               "cut": ('{"ok":', "length"), "empty": ("", "stop")}
+    url, httpd, asked = _teacher_endpoint(answers)
+    url2, httpd2, asked2 = _teacher_endpoint(answers)
+    ask = lambda t, m: t.chat([{"role": "user", "content": m}])  # noqa: E731
+    cfg = teachers.TeacherConfig(backend="api", api_base=url, cache_dir=str(tmp_path / "cache"), retries=0,
+                                 api_key_env="NO_SUCH_VARIABLE_SET", max_paid_calls=4)
+    try:
+        t = teachers.ApiTeacher(cfg)
+        assert ask(t, "a").text == '{"ok": 1}' and ask(t, "a").cached  # asked once, then from the cache
+        for bad in ("cut", "empty"):  # paid, answered with an error, never cached
+            r = ask(t, bad)
+            assert r.text is None and "api:" in r.error and not r.cached
+        assert ask(t, "b").text == '{"ok": 2}' and asked == ["a", "cut", "empty", "b"]
+        with pytest.raises(teachers.SpendCapReached, match="max_paid_calls=4"):
+            ask(t, "c")  # a fifth paid call: the run stops before making it
+        assert asked == ["a", "cut", "empty", "b"]
+        again = teachers.ApiTeacher(cfg)  # a rerun pays nothing twice
+        assert ask(again, "a").cached and ask(again, "b").cached and asked == ["a", "cut", "empty", "b"]
+        assert ask(again, "cut").text is None and asked[-1] == "cut"  # not cached: asked (and paid) again
+        import dataclasses
+
+        other = teachers.ApiTeacher(dataclasses.replace(cfg, api_base=url2, max_paid_calls=0))
+        assert not ask(other, "a").cached and asked2 == ["a"]  # the same model name on another server
+        legacy = teachers.ApiTeacher(dataclasses.replace(cfg, max_paid_calls=0, cache_dir=str(tmp_path / "old")))
+        body = legacy.body([{"role": "user", "content": "c"}])
+        legacy.cache.put(teachers.request_key("/chat/completions", body), {  # keyed as older versions did
+            "request": body, "response": {"choices": [{"message": {"content": "old"}, "finish_reason": "stop"}]},
+            "prompt_tokens": 1, "completion_tokens": 1, "cost_usd": 0.0})
+        assert ask(legacy, "c").text == "old" and asked.count("c") == 0  # found, not paid again
+    finally:
+        httpd.shutdown()
+        httpd2.shutdown()
+
+
 def test_api_failure_is_retried_on_the_next_run_not_written(tmp_path):
     # Nothing listens on this port: every attempt fails, the trace is not written, and the run goes on.
     cfg = _cfg(tmp_path, "annotator.backend=api", "annotator.api_base=http://127.0.0.1:9/v1",
