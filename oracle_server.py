@@ -1,6 +1,6 @@
 """An OpenAI-compatible server on 127.0.0.1 that answers from the news world's oracle.
 
-    python oracle_server.py --docs out/newsworld/docs.jsonl [--port 8000]
+    python oracle_server.py --docs out/newsworld/docs.jsonl [--port 8100]   # then api_base=http://127.0.0.1:8100/v1
 
 It stands in for a paid teacher wherever the project talks to one, so the API
 code paths run end to end on a CPU with no key and no network (the GPU chain's
@@ -71,6 +71,9 @@ def _cut(text: str, stops) -> str:
     return text[:min(hits)] if hits else text
 
 
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused unread
+
+
 def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, ThreadingHTTPServer]:
     """Start the server in a daemon thread; returns (its /v1 URL, the server: call .shutdown())."""
     teacher = OracleTeacher(documents)
@@ -89,7 +92,13 @@ def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Threa
 
         def do_POST(self):
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                return self._send(400, {"error": {"message": "bad Content-Length"}})
+            if not 0 <= n <= MAX_BODY_BYTES:
+                return self._send(413, {"error": {"message": f"body over {MAX_BODY_BYTES} bytes"}})
+            try:
+                body = json.loads(self.rfile.read(n))
                 if self.path.endswith("/chat/completions"):
                     msgs = body["messages"]
                     system = next((m["content"] for m in msgs if m["role"] == "system"), "")
@@ -110,7 +119,7 @@ def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Threa
                     choice = {"index": 0, "text": text, "finish_reason": "stop"}
                 else:
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            except (KeyError, ValueError, TypeError, IndexError) as e:
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError, RecursionError) as e:
                 return self._send(400, {"error": {"message": str(e)}})
             self._send(200, {"choices": [choice], "model": body.get("model", "oracle"),
                              "usage": {"prompt_tokens": 0, "completion_tokens": len(text.split())}})
@@ -123,7 +132,7 @@ def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Threa
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", required=True, help="news world Document JSONL (python data.py newsworld ...)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8100, help="8100: not serve.py's or vLLM's 8000")
     args = ap.parse_args(argv)
     url, httpd = serve(data.read_documents(args.docs), port=args.port)
     print(f"oracle teacher at {url} (Ctrl-C stops it)")

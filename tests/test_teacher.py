@@ -129,5 +129,15 @@ def test_the_oracle_server_answers_as_a_teacher_would():
         assert [e["error_span"] for e in got] == [e["error_span"] for e in want] and len(got) == 2
         with pytest.raises(rollout.ApiError, match="HTTP 400"):
             client.post("/completions", {"prompt": "Summarise this article.\n\nNot a known text.\n\nSummary: "})
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
+        conn.putrequest("POST", "/v1/completions")  # a length it will never send: refused unread
+        conn.putheader("Content-Length", str(oracle_server.MAX_BODY_BYTES + 1))
+        conn.endheaders()
+        assert conn.getresponse().status == 413
+        conn.close()
+        with pytest.raises(rollout.ApiError, match="HTTP 400"):
+            client.post("/completions", {"prompt": [[[[]]]] * 2})
     finally:
         httpd.shutdown()
