@@ -9,10 +9,15 @@ newest, so the newest is whole), and reports per window:
 pass rate (the reward's threshold and every rule), the share of summaries with
 a claim the factuality backend scored unsupported (the hallucination flag),
 factuality, searches and deletes per summary, the valid tool-call rate, and
-latency p50/p95. It writes report.md, monitor.json and monitor.png (the same
-figures as rolling curves over time, thresholds dashed) to `out`, prints the
-table, and exits 1 when the newest window is past a threshold (each breach on
-an `ALERT` line), so a cron job can alert; 2 when there is nothing to read.
+latency p50/p95. Requests the server failed are logged too (their status, no
+document): the share of the newest `window` requests that failed on the
+server's side (5xx: an engine error, a full queue, a deadline) has its own
+threshold (`max_failure_rate`), and so has the age of the newest request
+(`stale_after_s`: nothing served for that long). It writes report.md,
+monitor.json and monitor.png (the same figures as rolling curves over time,
+thresholds dashed) to `out`, prints the table, and exits 1 when the newest
+window is past a threshold (each breach on an `ALERT` line), so a cron job can
+alert; 2 when there is nothing to read.
 
     */10 * * * *  cd factual-tools && python monitor.py runs/serve/episodes.jsonl --config configs/monitor.yaml || notify
 
@@ -45,6 +50,8 @@ class Config:
     max_hallucination: float = 1.0  # ... its share of flagged summaries above this (1 = off)
     min_valid_calls: float = 0.0  # ... its valid tool-call rate below this (0 = off)
     max_p95_ms: float = 0.0  # ... its p95 latency above this (0 = off)
+    max_failure_rate: float = 1.0  # ... the share of the newest `window` requests answered 5xx above this (1 = off)
+    stale_after_s: float = 0.0  # alert when the newest request is older than this (0 = off)
 
     def __post_init__(self):
         if self.window < 1:
@@ -59,7 +66,8 @@ def log_files(log: str | Path) -> list[Path]:
 
 
 def read_log(log: str | Path) -> tuple[list[dict], list[str]]:
-    """(episode records in order, 'file:line: reason' for each line skipped)."""
+    """(records in order: episodes, and failed requests with their `status`; 'file:line:
+    reason' for each line skipped)."""
     files = log_files(log)
     if not files:
         raise FileNotFoundError(f"{log}: no episode log (start `python serve.py --model DIR` and send it documents)")
@@ -71,7 +79,7 @@ def read_log(log: str | Path) -> tuple[list[dict], list[str]]:
                 continue
             try:
                 rec = json.loads(line)
-                if not isinstance(rec, dict) or "scores" not in rec or "time" not in rec:
+                if not isinstance(rec, dict) or "time" not in rec or ("scores" not in rec and "status" not in rec):
                     raise ValueError("not an episode record")
             except ValueError as e:
                 if path == files[-1] and n == len(lines):  # no newline yet: the server is writing it
@@ -112,15 +120,33 @@ def windows(eps: list[dict], size: int) -> list[dict]:
     return [window_figures(eps[max(0, e - size):e]) for e in ends]
 
 
-def alerts(latest: dict, cfg: Config) -> list[str]:
-    """The thresholds the newest window is past, one line each."""
+def request_figures(records: list[dict], cfg: Config, now: float) -> dict:
+    """Over every logged request (episodes and failures): the newest `window` requests'
+    share answered 5xx and 4xx, and the newest request's age."""
+    recent = records[-cfg.window:]
+    status = [int(r.get("status", 200)) for r in recent]
+    return {"requests": len(recent), "failure_rate": sum(s >= 500 for s in status) / len(recent),
+            "rejected_rate": sum(400 <= s < 500 for s in status) / len(recent),
+            "age_s": now - max(float(r["time"]) for r in records)}
+
+
+def alerts(latest: dict | None, req: dict, cfg: Config) -> list[str]:
+    """The thresholds the newest window (None: no episode in the log) is past, one line each."""
+    bad = []
+    if req["failure_rate"] > cfg.max_failure_rate:
+        bad.append(f"failure_rate {req['failure_rate']:.4g} above max_failure_rate={cfg.max_failure_rate} "
+                   f"(newest {req['requests']} requests)")
+    if cfg.stale_after_s > 0 and req["age_s"] > cfg.stale_after_s:
+        bad.append(f"stale: the newest request is {req['age_s']:.0f} s old, over stale_after_s={cfg.stale_after_s:g}")
+    if latest is None:
+        return bad
     checks = [("pass", latest["pass"] < cfg.min_pass, f"below min_pass={cfg.min_pass}"),
               ("hallucination", latest["hallucination"] > cfg.max_hallucination,
                f"above max_hallucination={cfg.max_hallucination}"),
               ("valid_calls", cfg.min_valid_calls > 0 and latest["valid_calls"] < cfg.min_valid_calls,
                f"below min_valid_calls={cfg.min_valid_calls}"),
               ("p95_ms", cfg.max_p95_ms > 0 and latest["p95_ms"] > cfg.max_p95_ms, f"above max_p95_ms={cfg.max_p95_ms}")]
-    return [f"{k} {latest[k]:.4g} {why} (newest {latest['n']} episodes)" for k, bad, why in checks if bad]
+    return bad + [f"{k} {latest[k]:.4g} {why} (newest {latest['n']} episodes)" for k, off, why in checks if off]
 
 
 def _when(t: float) -> str:
@@ -192,22 +218,28 @@ def main(cfg: Config) -> int:
     if not records:
         print(f"error: {cfg.log}: no episode records", file=sys.stderr)
         return 2
-    eps = [episode_figures(r) for r in records]
-    wins = windows(eps, cfg.window)
-    bad = alerts(wins[-1], cfg)
+    episodes = [r for r in records if "scores" in r]
+    eps = [episode_figures(r) for r in episodes]
+    wins = windows(eps, cfg.window) if eps else []
+    req = request_figures(records, cfg, time.time())
+    bad = alerts(wins[-1] if wins else None, req, cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(eps, cfg, out / "monitor.png")
-    backends = sorted({str(r["scores"].get("factuality_backend")) for r in records})
-    md = (f"# Served episodes: {len(eps)} from {_when(eps[0]['time'])} to {_when(eps[-1]['time'])} UTC\n\n"
-          f"Log: {cfg.log} ({len(log_files(cfg.log))} files); factuality: {', '.join(backends)}; "
-          f"windows of {cfg.window} episodes.\n\n{table(wins)}\n\n"
+    if eps:
+        plot(eps, cfg, out / "monitor.png")
+    backends = sorted({str(r["scores"].get("factuality_backend")) for r in episodes})
+    span = f" from {_when(eps[0]['time'])} to {_when(eps[-1]['time'])} UTC" if eps else ""
+    md = (f"# Served episodes: {len(eps)}{span}\n\n"
+          f"Log: {cfg.log} ({len(log_files(cfg.log))} files); factuality: {', '.join(backends) or 'n/a'}; "
+          f"windows of {cfg.window} episodes.\n\n{table(wins) if wins else 'No episode was served.'}\n\n"
+          f"Newest {req['requests']} requests: {100 * req['failure_rate']:.1f}% failed on the server's side (5xx), "
+          f"{100 * req['rejected_rate']:.1f}% rejected (4xx); the newest is {req['age_s']:.0f} s old.\n\n"
           + ("\n".join(f"ALERT: {a}" for a in bad) if bad else "No threshold crossed by the newest window.") + "\n")
     common.atomic_write_text(out / "report.md", md)
     common.atomic_write_text(out / "monitor.json", json.dumps(common.jsonable(
-        {"log": cfg.log, "episodes": len(eps), "skipped_lines": skipped, "windows": wins, "alerts": bad,
-         "config": settings.config_to_dict(cfg)}, nonfinite="null"), indent=1, allow_nan=False) + "\n")
-    print(md + f"wrote {out}/report.md, monitor.json, monitor.png")
+        {"log": cfg.log, "episodes": len(eps), "requests": req, "skipped_lines": skipped, "windows": wins,
+         "alerts": bad, "config": settings.config_to_dict(cfg)}, nonfinite="null"), indent=1, allow_nan=False) + "\n")
+    print(md + f"wrote {out}/report.md, monitor.json" + (", monitor.png" if eps else ""))
     return 1 if bad else 0
 
 

@@ -508,8 +508,15 @@ def make_app(cfg: Config, engine: Engine):
     started = time.time()
     limit = body_limit(cfg.max_document_chars)
 
-    def error(status: int, reason: str, headers: dict | None = None) -> JSONResponse:
+    def failed(status: int, reason: str = "") -> None:
+        """Count a request that got no summary, and log it (its status and reason: no document)."""
         metrics.requests.labels(str(status)).inc()
+        if log is not None:
+            log.info(json.dumps({"time": time.time(), "model": cfg.model, "backend": cfg.backend, "status": status,
+                                 "error": reason[:300]}))
+
+    def error(status: int, reason: str, headers: dict | None = None) -> JSONResponse:
+        failed(status, reason)
         return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
     async def summarize(request):
@@ -538,7 +545,7 @@ def make_app(cfg: Config, engine: Engine):
         if not fut.done():
             fut.cancel()  # still queued: never decoded; decoding: its answer is dropped
             if hangup.done() and not hangup.cancelled():
-                metrics.requests.labels("499").inc()  # the client closed the request (nginx's code)
+                failed(499, "the client hung up")  # nginx's code for a request its client closed
                 return Response(status_code=499)
             return error(504, f"no answer within {cfg.request_timeout_s:g} s (request_timeout_s)")
         try:

@@ -179,8 +179,10 @@ def test_200_requests_from_16_clients_each_get_their_answer_and_none_is_lost(ser
     assert re.search(r'summarize_requests_total\{status="200"\} 160\.0', metrics)
     assert sum(float(v) for v in re.findall(r'summarize_requests_total\{status="4\d\d"\} (\S+)', metrics)) == 40
     files = sorted(log.parent.glob(log.name + "*"))
-    logged = [json.loads(line) for p in files for line in p.open()]
+    records = [json.loads(line) for p in files for line in p.open()]
+    logged = [r for r in records if "scores" in r]
     assert list(log.parent.glob(log.name + ".*")) and len(logged) == 160  # rotated, none lost
+    assert sorted(r["status"] for r in records if "scores" not in r) == sorted(s for _, s, _ in jobs if s != 200)
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in files)  # rotated files too
     assert not any("document" in r or "summary" in r for r in logged)  # log_documents=false by default
     assert sorted(r["id"] for r in logged) == sorted(rid for _, s, rid in jobs if s == 200)
@@ -192,7 +194,7 @@ def test_the_monitor_reads_every_rotated_file_and_alerts_past_a_threshold(server
     _, log = server
     assert len(monitor.log_files(log)) > 2
     records, skipped = monitor.read_log(log)
-    assert len(records) == 160 and not skipped
+    assert len(records) == 200 and sum("scores" in r for r in records) == 160 and not skipped
     assert [r["time"] for r in records] == sorted(r["time"] for r in records)
     calm = subprocess.run([sys.executable, "eval.py", "--from-log", str(log), f"out={tmp_path / 'a'}", "window=40"],
                           cwd=ROOT, capture_output=True, text=True)
@@ -225,9 +227,29 @@ def test_monitor_windows_cover_every_episode_and_the_newest_is_full():
     wins = monitor.windows(eps, 4)
     assert [(w["start"], w["end"], w["n"]) for w in wins] == [(0, 1, 2), (2, 5, 4), (6, 9, 4)]
     assert wins[-1]["pass"] == 0.75 and wins[0]["p95_ms"] == 9.5
-    assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.8)) == \
+    calm = {"requests": 4, "failure_rate": 0.0, "rejected_rate": 0.0, "age_s": 1.0}
+    assert monitor.alerts(wins[-1], calm, monitor.Config(min_pass=0.8)) == \
         ["pass 0.75 below min_pass=0.8 (newest 4 episodes)"]
-    assert monitor.alerts(wins[-1], monitor.Config(min_pass=0.7)) == []
+    assert monitor.alerts(wins[-1], calm, monitor.Config(min_pass=0.7)) == []
+
+
+def test_the_monitor_alerts_when_requests_fail_or_none_arrive(tmp_path):
+    log, now = tmp_path / "episodes.jsonl", time.time()
+    rec = {"time": now, "scores": {"pass": True, "factuality": 0.9}, "hallucination": False,
+           "tool_calls": [], "latency_ms": 50.0}
+    failed = [{"time": now + i, "status": status, "error": "x"} for i, status in enumerate([503, 504, 422, 500])]
+    log.write_text("".join(json.dumps(r) + "\n" for r in [rec, *failed]))
+    report = lambda out: json.loads((tmp_path / out / "monitor.json").read_text())  # noqa: E731
+    assert monitor.cli([str(log), f"out={tmp_path / 'a'}", "max_failure_rate=0.5"]) == 1
+    assert report("a")["requests"]["failure_rate"] == 0.6 and report("a")["requests"]["rejected_rate"] == 0.2
+    assert report("a")["alerts"][0].startswith("failure_rate 0.6 above max_failure_rate=0.5")
+    log.write_text("".join(json.dumps(r) + "\n" for r in failed))  # every request failed: no episode at all
+    assert monitor.cli([str(log), f"out={tmp_path / 'b'}", "max_failure_rate=0.5"]) == 1
+    assert report("b")["episodes"] == 0 and report("b")["alerts"]
+    log.write_text(json.dumps({**rec, "time": now - 3600}) + "\n")  # nothing served for an hour
+    assert monitor.cli([str(log), f"out={tmp_path / 'c'}", "stale_after_s=600"]) == 1
+    assert report("c")["alerts"][0].startswith("stale: the newest request is 36")
+    assert monitor.cli([str(log), f"out={tmp_path / 'd'}", "stale_after_s=7200"]) == 0
 
 
 @contextlib.contextmanager
@@ -460,4 +482,6 @@ def test_2000_requests_from_64_clients_a_quarter_bad_each_get_exactly_one_answer
     for status, n in seen.items():
         assert re.search(rf'summarize_requests_total\{{status="{status}"\}} {n}\.0', metrics), (status, n)
     logged = [json.loads(line) for p in sorted(log.parent.glob(log.name + "*")) for line in p.open()]
-    assert len(logged) == seen[200]
+    assert sum("scores" in r for r in logged) == seen[200]
+    assert sorted(r["status"] for r in logged if "scores" not in r) == sorted(s for s in
+                                                                              (a[0] for a in answers) if s != 200)
