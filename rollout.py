@@ -1097,7 +1097,9 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
     sends a plain-text prompt plus the text so far; `chat` mode sends the chat
     messages with the text so far as a final assistant message to continue
     (vLLM's `continue_final_message`). Each round stops at a tool call; the
-    sandbox answers and the next round continues."""
+    sandbox answers and the next round continues. A request the server fails
+    (after the client's retries) or answers without a choice ends that episode
+    only, truncated, with the reason in `meta["api_error"]`."""
     import os
 
     client = client or ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.api_timeout_s,
@@ -1108,7 +1110,16 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
         builders += [sandbox.EpisodeBuilder(index, None, None, limits, doc_id=getattr(d, "id", None))
                      for _ in range(group_size)]
 
+    errors: dict[int, str] = {}  # builder id -> why its server failed it (the episode ends there)
+
     def one(req):
+        try:
+            return ask(req)
+        except (ApiError, KeyError, IndexError, TypeError, AttributeError) as e:  # this episode only
+            errors[id(req[0])] = f"{type(e).__name__}: {e}"[:300]
+            return [], None, "api_error"
+
+    def ask(req):
         b, budget = req
         so_far = "".join(chr(i) for i in b.context_ids())  # character codec: ids are code points
         msgs = sandbox.prompt_messages(b.index.text)
@@ -1141,9 +1152,11 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
                     for b in builders}
     eps = _drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
                            context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
-    for ep in eps:  # character ids are not a tokenisation: keep the text record only
+    for b, ep in zip(builders, eps):  # character ids are not a tokenisation: keep the text record only
         for t in ep.turns:
             t.ids = t.logprobs = t.inj_ids = t.prune = None
         ep.prompt_ids = None
         ep.meta["api_usage"] = dict(client.usage)
+        if id(b) in errors:  # ended early: the caller decides (teacher_episodes.py asks again next run)
+            ep.meta["api_error"] = errors[id(b)]
     return eps

@@ -102,7 +102,7 @@ def main(cfg: Config) -> dict:
           f"backend {cfg.sampling.backend}" + (f" ({cfg.sampling.api_model} at {cfg.sampling.api_base})"
                                                if cfg.sampling.backend == "api" else ""))
     gen = rollout.make_generator(cfg.seed, model) if model is not None else None
-    written = calls = 0
+    written = calls = skipped = 0
     with tqdm(total=len(todo), desc="teacher", unit="doc") as bar:
         for s in range(0, len(todo), max(1, cfg.chunk)):
             chunk = todo[s:s + cfg.chunk]
@@ -112,19 +112,30 @@ def main(cfg: Config) -> dict:
                 eps = rollout.rollout(model, tok, chunk, 1, cfg.sampling, limits, generator=gen)
             else:
                 eps = rollout.rollout_api(chunk, 1, cfg.sampling, limits)
+            failed = [(d, ep) for d, ep in zip(chunk, eps) if ep.meta.get("api_error")]
+            if len(chunk) > 1 and len(failed) == len(chunk):  # several documents: the endpoint, not one document
+                raise SystemExit(f"teacher: every request of a chunk failed ({failed[0][1].meta['api_error']}); "
+                                 f"is {cfg.sampling.api_base} up? {written} episodes written this run, a rerun "
+                                 "goes on from there")
+            for d, ep in failed:  # not written: the next run asks for this document again
+                tqdm.write(f"teacher: {d.id}: {ep.meta['api_error']} (skipped; a rerun asks again)")
             with out.open("a", encoding="utf-8") as f:
                 for d, ep in zip(chunk, eps):
+                    if ep.meta.get("api_error"):
+                        continue
                     ep.doc_id = d.id
                     ep.meta = {**ep.meta, "teacher": cfg.sampling.api_model or cfg.model.name_or_path}
                     f.write(ep.to_json() + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            written += len(eps)
-            calls += sum(len(e.calls) for e in eps)
+            written += len(eps) - len(failed)
+            skipped += len(failed)
+            calls += sum(len(e.calls) for e in eps if not e.meta.get("api_error"))
             bar.update(len(chunk))
     total = len(have) + written
-    print(f"teacher: wrote {written} episodes ({calls} tool calls); {total}/{len(docs)} documents covered in {out}")
-    summary = {"written": written, "covered": total, "documents": len(docs)}
+    print(f"teacher: wrote {written} episodes ({calls} tool calls); {total}/{len(docs)} documents covered in {out}"
+          + (f"; {skipped} failed (run again to ask for them)" if skipped else ""))
+    summary = {"written": written, "covered": total, "documents": len(docs), "failed": skipped}
     if total >= len(docs):  # the pipeline's mark that this stage is complete
         common.atomic_write_text(str(done_path(cfg)), json.dumps(summary) + "\n")
     return summary

@@ -52,7 +52,7 @@ def test_teacher_episodes_go_through_the_sandbox_and_a_rerun_resumes(docs, tmp_p
     srv = TeacherServer()
     try:
         cfg = config(docs, tmp_path, srv.url)
-        assert T.main(cfg) == {"written": 5, "covered": 5, "documents": 5}
+        assert T.main(cfg) == {"written": 5, "covered": 5, "documents": 5, "failed": 0}
         assert json.loads(T.done_path(cfg).read_text())["covered"] == 5  # the pipeline's completion mark
         eps = sandbox.read_episodes(cfg.out)
         assert [e.doc_id for e in eps] == [d.id for d in data.read_documents(docs)[:5]]
@@ -62,7 +62,7 @@ def test_teacher_episodes_go_through_the_sandbox_and_a_rerun_resumes(docs, tmp_p
         n = len(srv.requests)
         assert T.main(cfg)["written"] == 0 and len(srv.requests) == n  # nothing asked twice
         cfg.data.max_docs = 6
-        assert T.main(cfg) == {"written": 1, "covered": 6, "documents": 6}
+        assert T.main(cfg) == {"written": 1, "covered": 6, "documents": 6, "failed": 0}
     finally:
         srv.httpd.shutdown()
 
@@ -71,7 +71,7 @@ def test_an_endpoint_that_dies_loses_only_the_chunk_in_flight(docs, tmp_path):
     srv = TeacherServer(fail_after=4)  # one chunk: two documents of two rounds each, then 400s
     try:
         cfg = config(docs, tmp_path, srv.url)
-        with pytest.raises(Exception, match="HTTP 400"):
+        with pytest.raises(SystemExit, match="every request of a chunk failed.*HTTP 400"):
             T.main(cfg)
         assert len(sandbox.read_episodes(cfg.out)) == 2  # the first chunk is on disk
         assert not T.done_path(cfg).exists()
@@ -85,6 +85,30 @@ def test_an_endpoint_that_dies_loses_only_the_chunk_in_flight(docs, tmp_path):
     try:
         assert T.main(config(docs, tmp_path, srv.url))["written"] == 3
     finally:
+        srv.httpd.shutdown()
+
+
+def test_a_document_the_endpoint_always_rejects_costs_only_itself(docs, tmp_path):
+    """One document answered 400 (or with no choices) every time: the others are written, it
+    is skipped and asked again on the next run; the stage is not marked complete."""
+    bad = data.read_documents(docs)[1].text[:40]
+    srv = TeacherServer()
+    real = srv.answer
+
+    def answer(body):
+        if bad in body["prompt"]:
+            srv.requests.append(body)
+            return (400, b"rejected") if len(srv.requests) % 2 else (200, {"usage": {}})  # 400, or no choices
+        return real(body)
+
+    url, httpd = post_server(answer)
+    try:
+        cfg = config(docs, tmp_path, url)
+        assert T.main(cfg) == {"written": 4, "covered": 4, "documents": 5, "failed": 1}
+        assert not T.done_path(cfg).exists()
+        assert T.main(cfg) == {"written": 0, "covered": 4, "documents": 5, "failed": 1}  # asked again, still bad
+    finally:
+        httpd.shutdown()
         srv.httpd.shutdown()
 
 
