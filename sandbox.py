@@ -359,7 +359,11 @@ def inert(tok, text: str) -> str:
     encoded with special tokens parsed, so a document holding
     `<|im_end|><|im_start|>assistant` would otherwise forge a turn boundary. Text
     without such strings (every news-world document) is returned unchanged."""
-    rx = _added_token_re(added_token_strings(tok)) if tok is not None and text else None
+    return _broken(_added_token_re(added_token_strings(tok)) if tok is not None and text else None, text)
+
+
+def _broken(rx, text: str) -> str:
+    """`text` with every match of `rx` broken by a word joiner after its first character."""
     while rx is not None and rx.search(text):  # again only where two strings overlapped
         text = rx.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)
     return text
@@ -397,9 +401,7 @@ class Codec:
             return text
         if not hasattr(self, "_inert_re"):
             self._inert_re = _added_token_re(added_token_strings(self.tokenizer))
-        if self._inert_re is None or not self._inert_re.search(text):
-            return text
-        return inert(self.tokenizer, text)
+        return _broken(self._inert_re, text)
 
 
 class CharCodec(Codec):

@@ -326,13 +326,18 @@ def episode_logger(cfg: Config) -> logging.Logger | None:
     return log
 
 
+def log_head(cfg: Config) -> dict:
+    """What every log line starts with: when, and which model served it."""
+    return {"time": time.time(), "model": cfg.model, "backend": cfg.backend}
+
+
 def log_record(cfg: Config, document: str, response: dict, key: bytes | None = None) -> dict:
     """The log line of one served episode: the time, the response and the document. With
     `log_documents` false, no text from the document is kept: the document becomes its
     keyed hash (HMAC-SHA256 under `key`), and search results, retracted text, the summary,
     the whole written text and the unsupported claims their lengths and counts (what
     monitor.py reads stays)."""
-    head = {"time": time.time(), "model": cfg.model, "backend": cfg.backend, "n_chars": len(document)}
+    head = {**log_head(cfg), "n_chars": len(document)}
     if cfg.log_documents:
         return {**head, "document": document, **response}
     calls = []
@@ -512,8 +517,7 @@ def make_app(cfg: Config, engine: Engine):
         """Count a request that got no summary, and log it (its status and reason: no document)."""
         metrics.requests.labels(str(status)).inc()
         if log is not None:
-            log.info(json.dumps({"time": time.time(), "model": cfg.model, "backend": cfg.backend, "status": status,
-                                 "error": reason[:300]}))
+            log.info(json.dumps({**log_head(cfg), "status": status, "error": reason[:300]}))
 
     def error(status: int, reason: str, headers: dict | None = None) -> JSONResponse:
         failed(status, reason)

@@ -266,8 +266,7 @@ def in_process(tmp_path, **over):
     sock = serve.listening_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    wait_until(lambda: server.started)
     try:
         yield sock.getsockname()[1], engine, app.state.serve
     finally:
@@ -277,6 +276,31 @@ def in_process(tmp_path, **over):
 
 def _doc(text: str) -> bytes:
     return json.dumps({"document": text}).encode()
+
+
+def hold(engine) -> tuple[threading.Event, list[str]]:
+    """Make `engine.run` record the documents it is given and wait until the returned
+    event is set (30 s at most) before decoding them: a hung engine the test releases."""
+    release, decoded, real = threading.Event(), [], engine.run
+
+    def run(documents):
+        decoded.extend(documents)
+        release.wait(30)
+        return real(documents)
+
+    engine.run = run
+    return release, decoded
+
+
+def wait_until(ok, timeout: float = 30, what: str = "the server to get there"):
+    """Poll `ok()` until it returns something true, and return that; fail after `timeout` s."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        got = ok()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"waited {timeout} s for {what}")
 
 
 def test_an_engine_failure_answers_500_and_the_server_goes_on(tmp_path):
@@ -315,16 +339,8 @@ def test_one_bad_document_fails_only_its_own_request_not_its_batch(tmp_path):
 
 
 def test_a_hung_engine_answers_504_by_the_deadline_and_health_turns_503(tmp_path):
-    release = threading.Event()
     with in_process(tmp_path, request_timeout_s=0.5, stuck_after_s=0.3, batch_size=1) as (port, engine, st):
-        real, decoded = engine.run, []
-
-        def run(documents):
-            decoded.extend(documents)
-            release.wait(30)
-            return real(documents)
-
-        engine.run = run
+        release, decoded = hold(engine)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(_post, port, "/v1/summarize", _doc("Acme rose 5% on Monday."))
             time.sleep(0.1)
@@ -342,17 +358,13 @@ def test_a_hung_engine_answers_504_by_the_deadline_and_health_turns_503(tmp_path
 
 
 def test_a_full_queue_answers_503_with_retry_after(tmp_path):
-    release = threading.Event()
     with in_process(tmp_path, max_queue=2, batch_size=1) as (port, engine, st):
-        real = engine.run
-        engine.run = lambda documents: (release.wait(30), real(documents))[1]
+        release, _ = hold(engine)
         with ThreadPoolExecutor(4) as pool:
             held = [pool.submit(_post, port, "/v1/summarize", _doc("Acme rose 1% on Monday."))]
-            while not st["batcher"].in_hand:  # the first in hand (sent together, the third could find it queued)
-                time.sleep(0.01)
+            wait_until(lambda: st["batcher"].in_hand)  # first in hand (sent together, the third could find it queued)
             held += [pool.submit(_post, port, "/v1/summarize", _doc(f"Acme rose {i}% on Monday.")) for i in (2, 3)]
-            while st["batcher"].queue.qsize() < 2:  # two waiting
-                time.sleep(0.01)
+            wait_until(lambda: st["batcher"].queue.qsize() >= 2)  # two waiting
             conn = serve.http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("POST", "/v1/summarize", body=_doc("Gamma won."))
             resp = conn.getresponse()
@@ -364,26 +376,16 @@ def test_a_full_queue_answers_503_with_retry_after(tmp_path):
 
 
 def test_a_client_that_hangs_up_is_not_decoded(tmp_path):
-    release = threading.Event()
     with in_process(tmp_path, batch_size=1) as (port, engine, st):
-        real, decoded = engine.run, []
-
-        def run(documents):
-            decoded.extend(documents)
-            release.wait(30)
-            return real(documents)
-
-        engine.run = run
+        release, decoded = hold(engine)
         with ThreadPoolExecutor(1) as pool:
             kept = pool.submit(_post, port, "/v1/summarize", _doc("Acme rose 5% on Monday."))
-            while not st["batcher"].in_hand:
-                time.sleep(0.01)
+            wait_until(lambda: st["batcher"].in_hand)
             gone = socket.create_connection(("127.0.0.1", port))
             body = _doc("Beta fell on Tuesday.")
             gone.sendall(b"POST /v1/summarize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            while st["batcher"].queue.qsize() < 1:
-                time.sleep(0.01)
+            wait_until(lambda: st["batcher"].queue.qsize() >= 1)
             gone.close()
             time.sleep(0.3)  # the server sees the hang-up and cancels the queued request
             release.set()
@@ -398,23 +400,12 @@ def test_a_killed_batcher_is_restarted(tmp_path):
         assert _post(port, "/v1/summarize", _doc(DOC))[0] == 200
         batcher = st["batcher"]
         batcher.task.get_loop().call_soon_threadsafe(batcher.task.cancel)
-        while batcher.restarts < 1:
-            time.sleep(0.01)
+        wait_until(lambda: batcher.restarts >= 1)
         assert _post(port, "/v1/summarize", _doc(DOC))[0] == 200
         status, health, _ = _post(port, "/health")
         assert status == 200 and health["batcher_restarts"] == 1
 
 
-
-
-def _health_until(port: int, ok, timeout: float = 30) -> dict:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        health = _post(port, "/health")[1]
-        if ok(health):
-            return health
-        time.sleep(0.005)
-    raise AssertionError(f"/health never reached the state wanted: {health}")
 
 
 def test_sigterm_answers_and_logs_the_requests_in_flight(tmp_path):
@@ -427,7 +418,7 @@ def test_sigterm_answers_and_logs_the_requests_in_flight(tmp_path):
         with ThreadPoolExecutor(12) as pool:
             futs = [pool.submit(_post, port, "/v1/summarize", json.dumps({"document": d, "id": f"t{i}"}).encode())
                     for i, d in enumerate(docs)]
-            _health_until(port, lambda h: h["queue"] >= 3)  # several still waiting when the signal comes
+            wait_until(lambda: _post(port, "/health")[1]["queue"] >= 3)  # several still waiting at the signal
             proc.terminate()
             answers = [f.result() for f in futs]
     finally:
