@@ -239,13 +239,16 @@ def tool_decision(events: Sequence[dict]) -> dict[str, float]:
 def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[list], limits: dict | None = None
                        ) -> dict[str, float]:
     """The oracle's view of greedy episodes: fact precision (supported names,
-    numbers and dates over those stated), the tool decision (`tool_decision`),
+    numbers and dates over those stated), the share of summaries stating none
+    (`no_fact_rate`), the tool decision (`tool_decision`),
     and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
     import oracle
 
     stated = [oracle.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
     out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
-           "facts_stated": common.mean(len(fs) for fs in stated)}
+           "facts_stated": common.mean(len(fs) for fs in stated),
+           # a summary stating nothing has no wrong fact: precision must be read beside this share
+           "no_fact_rate": common.mean(not fs for fs in stated)}
     out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))
     for fam in sorted({d.bucket for d in docs}):
         idx = [i for i, d in enumerate(docs) if d.bucket == fam]

@@ -182,14 +182,36 @@ def chain_stages(c: Chain, seeds: int, cfg: dict[str, str], base: list[Stage]) -
     return stages
 
 
+# Fact precision counts the facts a summary states and hallucination the summaries with an
+# error, so a policy that says nothing scores 100% and 0% on them. Past this share of
+# summaries stating no name, number or date, a target on either is not met.
+MAX_NO_FACT = 0.05
+
+
+def _silent(m: dict) -> bool:
+    x = m.get("no_fact_rate")
+    return not _missing(x) and x > MAX_NO_FACT
+
+
+def _stated(ok: bool | None, *rows: dict) -> bool | None:
+    """A precision or hallucination verdict, false when a row states too little to judge."""
+    return False if ok is not None and any(_silent(m) for m in rows) else ok
+
+
+def _said(m: dict, key: str) -> str:
+    """A row's figure, with the share stating no fact when that share voids it."""
+    return _pct(m.get(key)) + (f" ({_pct(m['no_fact_rate'])} state no fact)" if _silent(m) else "")
+
+
 def _tiny_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
-    base, sft, rl = fig["start"], fig["sft"], fig["rl"]
-    fp = [m.get("fact_precision") for m in (base, sft, rl)]
-    hall = [m.get("hallucination_rate") for m in (base, sft, rl)]
+    base, sft, rl = rows = fig["start"], fig["sft"], fig["rl"]
+    fp = [m.get("fact_precision") for m in rows]
+    hall = [m.get("hallucination_rate") for m in rows]
     return [
-        ("fact precision rises: base < SFT < Dr. GRPO", " -> ".join(map(_pct, fp)), _rising(*fp)),
-        ("hallucination falls with it", " -> ".join(map(_pct, hall)),
-         _rising(*[-h if not _missing(h) else h for h in hall])),
+        ("fact precision rises: base < SFT < Dr. GRPO", " -> ".join(_said(m, "fact_precision") for m in rows),
+         _stated(_rising(*fp), *rows)),
+        ("hallucination falls with it", " -> ".join(_said(m, "hallucination_rate") for m in rows),
+         _stated(_rising(*[-h if not _missing(h) else h for h in hall]), *rows)),
         ("tool AUC >= 0.75 after SFT", _num(sft.get("tool_auc"), "{:.2f}"), _ge(sft.get("tool_auc"), 0.75)),
         ("tool AUC >= 0.85 after Dr. GRPO", _num(rl.get("tool_auc"), "{:.2f}"), _ge(rl.get("tool_auc"), 0.85)),
         ("searches return the sentence holding the fact >= 80% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
@@ -199,17 +221,17 @@ def _tiny_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
 
 
 def _smollm_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
-    zs, sft, rl = fig["start"], fig["sft"], fig["rl"]
+    zs, sft, rl = rows = fig["start"], fig["sft"], fig["rl"]
     per = fig["per_seed"]
-    fp = [m.get("fact_precision") for m in (zs, sft, rl)]
     steps = [_step_up(per["start"], per["sft"], "fact_precision"), _step_up(per["sft"], per["rl"], "fact_precision")]
     rises = None if None in steps else all(steps)
     return [
         ("fact precision rises zero-shot -> SFT -> Dr. GRPO, each step beyond the seed spread",
-         " -> ".join(map(_pct, fp)), rises),
-        ("fact precision >= 95% after Dr. GRPO", _pct(rl.get("fact_precision")), _ge(rl.get("fact_precision"), 0.95)),
-        ("hallucination <= 30% after Dr. GRPO", _pct(rl.get("hallucination_rate")),
-         _ge(-rl.get("hallucination_rate", math.nan), -0.30)),
+         " -> ".join(_said(m, "fact_precision") for m in rows), _stated(rises, *rows)),
+        ("fact precision >= 95% after Dr. GRPO", _said(rl, "fact_precision"),
+         _stated(_ge(rl.get("fact_precision"), 0.95), rl)),
+        ("hallucination <= 30% after Dr. GRPO", _said(rl, "hallucination_rate"),
+         _stated(_ge(-rl.get("hallucination_rate", math.nan), -0.30), rl)),
         ("searches return the sentence holding the checked fact >= 90% (Dr. GRPO)", _pct(rl.get("search_found_fact")),
          _ge(rl.get("search_found_fact"), 0.90)),
         ("evidence use >= 90% after Dr. GRPO", _pct(rl.get("evidence_use")), _ge(rl.get("evidence_use"), 0.90)),
@@ -487,11 +509,15 @@ def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds:
         fig["teacher"], fig["student"] = t, s
         ms, t_ms = s.get("latency_p50_ms"), t.get("latency_p50_ms")
         gap = 100 * ((t.get("factuality") or 0) - (s.get("factuality") or 0))
+        # a teacher or student that says nothing is "within 2 points" of the other: not a pass
+        quiet = "".join(f", the {who} states no fact in {_pct(m['no_fact_rate'])}"
+                        for who, m in (("teacher", t), ("student", s)) if _silent(m))
         if not _missing(ms):
-            student_ok = ms <= 100 and gap <= 2
-            student_shown = f"{ms:.0f} ms, {_points(gap)}"
+            student_ok = _stated(ms <= 100 and gap <= 2, t, s)
+            student_shown = f"{ms:.0f} ms, {_points(gap)}{quiet}"
         if not _missing(ms) and not _missing(t_ms) and ms:
-            speed_ok, speed_shown = t_ms / ms >= 3 and gap <= 2, f"{t_ms / ms:.1f}x faster, {_points(gap)}"
+            speed_ok = _stated(t_ms / ms >= 3 and gap <= 2, t, s)
+            speed_shown = f"{t_ms / ms:.1f}x faster, {_points(gap)}{quiet}"
     targets = chain.targets(fig)
     # Milestones (M0-M3, README): each with its measured value.
     rules_only = [m for label, m in mean.items() if label == "RL rules only"]
@@ -503,7 +529,8 @@ def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds:
         ("tool calls valid >= 95% (after SFT)", _pct(sft_m.get("valid_call_rate")),
          _ge(sft_m.get("valid_call_rate"), 0.95)),
         ("M0 rule pass >= 20% (Dr. GRPO)", _pct(rl_m.get("rules_pass")), _ge(rl_m.get("rules_pass"), 0.20)),
-        (f"M1 hallucinations down >= 40% vs {base_label}", f"{_pct(h0)} -> {_pct(h1)}", _ge(drop, 0.40)),
+        (f"M1 hallucinations down >= 40% vs {base_label}", f"{_pct(h0)} -> {_said(rl_m, 'hallucination_rate')}",
+         _stated(_ge(drop, 0.40), rl_m)),
         ("M2 combined pass >= 60% (Dr. GRPO)", _pct(rl_m.get("pass")), _ge(rl_m.get("pass"), 0.60)),
         ("M3 student <= 100 ms per summary, factuality within 2 points", student_shown, student_ok),
         ("student >= 3x faster than its teacher, within 2 points (news world target)", speed_shown, speed_ok),

@@ -145,6 +145,18 @@ def test_sentence_events_record_each_written_sentence_and_what_followed():
     assert E.tool_decision(E.sentence_events(doc, bad))["evidence_use"] == 0.0
 
 
+def test_fact_precision_counts_what_is_stated_and_the_share_that_states_nothing():
+    """An empty summary states no wrong fact: precision alone would call a policy
+    that says nothing precise, so the share of summaries stating no fact sits beside it."""
+    docs = list(newsworld.documents(4, seed=3))
+    eps = [S.replay(d.text, t) for d, t in zip(docs, [docs[0].summary, "", "It was a day.", _swap_number(docs[3])])]
+    m = E.news_world_metrics(docs, eps, [[], [], [], [{"type": "number_change"}]])
+    assert m["no_fact_rate"] == 0.5  # the empty summary and the one with no name, number or date
+    assert 0.5 < m["fact_precision"] < 1.0  # one wrong number among what the two others state
+    right = E.news_world_metrics(docs[:2], eps[:2], [[], []])
+    assert right["fact_precision"] == 1.0 and right["no_fact_rate"] == 0.5
+
+
 @pytest.mark.parametrize("pos, neg, expected", [
     ([2, 2], [0, 1], 1.0), ([0], [2], 0.0), ([1, 1], [1, 1], 0.5), ([2, 0], [1], 0.5), ([], [1], math.nan),
 ])

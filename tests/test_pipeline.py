@@ -71,6 +71,43 @@ def test_headline_marks_each_milestone_and_target_from_its_figure():
     assert "| not measured |" in md and "| not met |" in md
 
 
+def test_a_policy_that_states_nothing_meets_no_precision_or_hallucination_target():
+    """Fact precision counts the facts stated and hallucination the summaries with an
+    error: a policy that says nothing scores 100% and 0% on them. Past 5% of summaries
+    stating no fact, those targets are not met, and the row says why."""
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics(fact_precision=0.78, hallucination_rate=0.8, no_fact_rate=0.0)}
+    for s in range(3):
+        models[c.sft(s)] = _metrics(fact_precision=0.90 + 0.001 * s, hallucination_rate=0.3, no_fact_rate=0.0)
+        models[c.rl(s)] = _metrics(fact_precision=1.0, hallucination_rate=0.0, no_fact_rate=0.6)
+    md, fig = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    t = fig["targets"]
+    for name in ("fact precision >= 95% after Dr. GRPO", "hallucination <= 30% after Dr. GRPO"):
+        assert t[name] is False, name
+    assert t[next(k for k in t if k.startswith("fact precision rises"))] is False
+    assert "100.0% (60.0% state no fact)" in md
+    assert fig["milestones"][next(k for k in fig["milestones"] if k.startswith("M1"))] is False
+    for s in range(3):  # a fast student that says nothing is not "within 2 points" of a teacher that says nothing
+        models[c.rl(s)].update(factuality=0.0, latency_p50_ms=900.0, no_fact_rate=0.0)
+        models[c.student(s)] = _metrics(factuality=0.0, latency_p50_ms=50.0, no_fact_rate=1.0)
+    md, fig = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    speed = "student >= 3x faster than its teacher, within 2 points (news world target)"
+    assert fig["milestones"][speed] is False and "the student states no fact in 100.0%" in md
+    for s in range(3):
+        models[c.student(s)]["no_fact_rate"] = 0.0
+    assert pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")[1]["milestones"][speed] is True
+    for s in range(3):  # 4% state nothing: within the allowance, the figures stand
+        models[c.rl(s)]["no_fact_rate"] = 0.04
+    md, fig = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    assert fig["targets"]["fact precision >= 95% after Dr. GRPO"] is True
+    assert fig["targets"]["hallucination <= 30% after Dr. GRPO"] is True
+    base = _eval_json({pipeline.BASE: _metrics(fact_precision=0.3), pipeline.SFT: _metrics(fact_precision=0.6),
+                       pipeline.RL: _metrics(fact_precision=0.9, hallucination_rate=0.1, no_fact_rate=0.5)})
+    _, fig = _tiny(base)
+    assert fig["targets"]["fact precision rises: base < SFT < Dr. GRPO"] is False
+    assert fig["targets"]["hallucination falls with it"] is False
+
+
 def test_full_table_compares_hallucinations_with_the_rules_only_run():
     rows = {pipeline.SFT: _metrics(hallucination_rate=0.9), pipeline.RL: _metrics(hallucination_rate=0.5)}
     full = {f"runs/{n}/final": _metrics() for n in pipeline.ABLATIONS}
