@@ -117,6 +117,137 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Data parallel: torchrun (or accelerate launch) on plain torch.distributed
+# ---------------------------------------------------------------------------
+# `torchrun --nproc_per_node N sft.py ...` starts N copies of a script; each reads
+# RANK / WORLD_SIZE / LOCAL_RANK from its environment (`init_distributed`). The
+# trainers then split every micro-batch across the ranks (`Dist.shard`), divide
+# each rank's loss by the whole step's normaliser (tokens for SFT and distillation,
+# the step's rollout count for Dr. GRPO) and sum the gradients across ranks
+# (`Dist.reduce_grads`) before clipping: every rank then holds the gradient one
+# process would have computed on the whole batch, and takes the same optimizer
+# step. That is what DistributedDataParallel computes; it is done by hand because
+# the trainers score episodes through the engine's tree scorer, several forwards
+# and no-grad passes a step, which DDP's wrapper would have to see as one
+# `forward` (and accumulation as `no_sync` blocks). Rank 0 alone writes logs,
+# metrics, checkpoints and final/; every rank's RNG is gathered into the
+# checkpoint, so `resume=auto` continues the same world size exactly.
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """This process's place in a data-parallel group (rank 0 of 1 without torchrun)."""
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Whether this rank writes (logs, metrics, checkpoints, final/) and evaluates."""
+        return self.rank == 0
+
+    def shard(self, items) -> list:
+        """This rank's contiguous share of `items` (shares differ by one at most, in
+        rank order, so the shares concatenated are `items`)."""
+        n = len(items)
+        return list(items[n * self.rank // self.world:n * (self.rank + 1) // self.world])
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as td
+
+        out = [None] * self.world
+        td.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as td
+
+        box = [obj]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as td
+
+            td.barrier()
+
+    def reduce_grads(self, params) -> None:
+        """Sum every parameter's gradient across the ranks, in place (a rank whose
+        share of the step was empty contributes zeros)."""
+        if self.world == 1:
+            return
+        import torch
+        import torch.distributed as td
+
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: dict = {}
+        for p in params:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        for group in buckets.values():  # one collective per dtype and device
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            td.all_reduce(flat, op=td.ReduceOp.SUM)
+            i = 0
+            for p in group:
+                n = p.grad.numel()
+                p.grad.copy_(flat[i:i + n].view_as(p.grad))
+                i += n
+
+
+SINGLE = Dist()
+
+
+@contextmanager
+def main_first(dist: Dist):
+    """Rank 0 runs the block, then the other ranks do: a block that writes a cache
+    (teacher episodes, a student's initial weights) is computed once, and the other
+    ranks read what rank 0 wrote."""
+    if not dist.main:
+        dist.barrier()
+    yield
+    if dist.main:
+        dist.barrier()
+
+
+def init_distributed() -> Dist:
+    """The data-parallel group this process was launched in: under torchrun (or
+    `accelerate launch`, which runs torchrun's launcher) WORLD_SIZE > 1 and the
+    process group is set up here (NCCL on CUDA, each rank on GPU LOCAL_RANK; gloo
+    on a CPU); otherwise one process, and nothing is set up. Ranks other than 0
+    print nothing, so a run's output reads as one process's."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    import builtins
+    import datetime
+
+    import torch
+    import torch.distributed as td
+
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not td.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local)
+        # rank 0 evaluates while the others wait at the next collective: allow it an hour
+        td.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
+    if td.get_world_size() != world or td.get_rank() != rank:
+        raise RuntimeError(f"process group is rank {td.get_rank()} of {td.get_world_size()}, "
+                           f"the environment says {rank} of {world}")
+    if rank != 0:
+        builtins.print = lambda *a, **k: None
+    return Dist(rank=rank, world=world, local_rank=local)
+
+
+# ---------------------------------------------------------------------------
 # Runs, step lines and metrics
 # ---------------------------------------------------------------------------
 
@@ -274,13 +405,15 @@ def tracker_sinks(cfg: LogConfig, run_dir: Path, name: str, config: dict) -> lis
 @dataclasses.dataclass
 class Run:
     dir: Path
-    metrics: MetricsWriter
+    metrics: MetricsWriter | None  # None on a data-parallel rank other than 0: it writes nothing
     sinks: list = dataclasses.field(default_factory=list)  # tracker_sinks: TensorBoard, W&B
 
     def log(self, step: int, total: int | None, fields: dict[str, Any], seconds: float) -> str:
         """Print the step line and append the same fields (plus `time_s`) to metrics.jsonl
         and the trackers."""
         line = format_step(step, total, fields, seconds)
+        if self.metrics is None:
+            return line
         print(line, flush=True)
         self.metrics.write(step=step, **fields, time_s=seconds)
         self.track(step, fields)
@@ -300,16 +433,27 @@ class Run:
         self.sinks = []
 
 
-def start_run(cfg: Any) -> Run:
+def start_run(cfg: Any, dist: Dist = SINGLE) -> Run:
     """Create `{runs_dir}/{name}/` with config.yaml and git.txt; print the config once;
     open the trackers of `cfg.log` (a LogConfig), if the config has one.
 
     An existing run directory is reused (a resumed run appends to metrics.jsonl).
+    Under torchrun, rank 0 does all of that and the other ranks get a Run that
+    writes nothing, once the directory exists.
     """
     name = str(getattr(cfg, "name", ""))
     if not Path(name).parts or Path(name).is_absolute() or ".." in Path(name).parts:
         raise ConfigError(f"config key 'name' must be a relative run name, got {name!r}")
     run_dir = Path(getattr(cfg, "runs_dir", "runs")) / name
+    if not dist.main:
+        dist.barrier()  # rank 0 has made the directory
+        return Run(dir=run_dir, metrics=None)
+    run = _start_run(cfg, run_dir, name)
+    dist.barrier()
+    return run
+
+
+def _start_run(cfg: Any, run_dir: Path, name: str) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     atomic_write_text(run_dir / "git.txt", git_revision() + "\n")
@@ -393,21 +537,30 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
-                    state: dict | None = None, generators: dict | None = None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
+                    state: dict | None = None, generators: dict | None = None, keep: int = 2,
+                    dist: Dist = SINGLE) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` ones.
+
+    Under torchrun every rank calls it: each rank's RNG states are gathered and rank 0
+    writes them all (`rng_ranks`) with the world size; the weights and the optimizer
+    are the same on every rank. It returns once the checkpoint is complete."""
     import torch
     from safetensors.torch import save_file
 
     final = Path(run_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
-    with atomic_dir(final) as tmp:
-        save_pretrained(model, tmp / "model")
-        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-        save_file(trainable, str(tmp / "trainable.safetensors"))
-        torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None,
-                    "scheduler": scheduler.state_dict() if scheduler else None,
-                    "rng": rng_state(generators), "state": state or {}}, tmp / "trainer.pt")
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    rngs = dist.gather(rng_state(generators))
+    if dist.main:
+        with atomic_dir(final) as tmp:
+            save_pretrained(model, tmp / "model")
+            trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+            save_file(trainable, str(tmp / "trainable.safetensors"))
+            torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None,
+                        "scheduler": scheduler.state_dict() if scheduler else None,
+                        "rng": rngs[0], "state": state or {}, "world_size": dist.world,
+                        **({"rng_ranks": rngs} if dist.world > 1 else {})}, tmp / "trainer.pt")
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
     return final
 
 
@@ -436,12 +589,20 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=None,
-                    generators: dict | None = None) -> dict:
-    """Restore a checkpoint into live objects; returns {"step", "state"}."""
+                    generators: dict | None = None, dist: Dist = SINGLE) -> dict:
+    """Restore a checkpoint into live objects; returns {"step", "state"}. Each rank
+    takes back its own RNG states; a checkpoint of another world size is refused
+    (each rank's sampler and data share would differ from the run that wrote it)."""
     import torch
     from safetensors.torch import load_file
 
     path = Path(path)
+    trainer = load_trainer_state(path / "trainer.pt")
+    saved_world = int(trainer.get("world_size", 1))
+    if saved_world != dist.world:
+        raise ValueError(f"{path}: written by a run of {saved_world} process(es), this run has {dist.world}: "
+                         f"resume with the same number (torchrun --nproc_per_node {saved_world}), "
+                         "or start over (resume=none)")
     saved = load_file(str(path / "trainable.safetensors"))
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
@@ -451,12 +612,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, scheduler=No
     with torch.no_grad():
         for n, t in saved.items():
             params[n].copy_(t.to(params[n].device, params[n].dtype))
-    trainer = load_trainer_state(path / "trainer.pt")
     if optimizer is not None and trainer["optimizer"] is not None:
         optimizer.load_state_dict(trainer["optimizer"])
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
-    set_rng_state(trainer["rng"], generators)
+    set_rng_state(trainer["rng_ranks"][dist.rank] if "rng_ranks" in trainer else trainer["rng"], generators)
     return {"step": trainer["step"], "state": trainer["state"]}
 
 
@@ -483,7 +643,8 @@ def trim_jsonl(path: str | os.PathLike, step: int) -> int:
 
 
 def resume(run_dir: str | os.PathLike, how: str, model, optimizer=None, scheduler=None,
-           generators: dict | None = None, logs: tuple[str, ...] = ("metrics.jsonl",)) -> tuple[int, dict]:
+           generators: dict | None = None, logs: tuple[str, ...] = ("metrics.jsonl",),
+           dist: Dist = SINGLE) -> tuple[int, dict]:
     """Every trainer's resume path: (step, the script's saved state), (0, {}) for a fresh start.
 
     `how` is the config's `resume` (auto: the newest complete checkpoint). The run's
@@ -493,10 +654,10 @@ def resume(run_dir: str | os.PathLike, how: str, model, optimizer=None, schedule
     """
     ckpt, step, state = resolve_resume(how, run_dir), 0, {}
     if ckpt is not None:
-        got = load_checkpoint(ckpt, model, optimizer, scheduler, generators=generators)
+        got = load_checkpoint(ckpt, model, optimizer, scheduler, generators=generators, dist=dist)
         step, state = got["step"], got["state"]
         print(f"resumed from {ckpt} at step {step}")
-    for name in logs:
+    for name in logs if dist.main else ():
         if trim_jsonl(Path(run_dir) / name, step):
             print(f"{name}: lines past step {step} dropped (written after the checkpoint resumed from)")
     return step, state

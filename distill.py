@@ -398,7 +398,8 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
 
 
 def main(cfg: Config) -> dict:
-    run = common.start_run(cfg)
+    dist = common.init_distributed()  # torchrun: this rank's share of every batch (common.Dist)
+    run = common.start_run(cfg, dist)
     dev = common.device()
     common.seed_everything(cfg.seed)
     limits = sandbox.Limits.make(**cfg.limits)
@@ -419,7 +420,7 @@ def main(cfg: Config) -> dict:
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
     teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, teacher)  # the teacher's width decides
-    with common.autocast(bf16, dev, teacher):
+    with common.autocast(bf16, dev, teacher), common.main_first(dist):  # rank 0 generates, the others read its cache
         episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "
           f"{funnel['clean']} clean), {funnel['teacher_tokens_per_episode']:.0f} tokens and "
@@ -429,7 +430,8 @@ def main(cfg: Config) -> dict:
         raise SystemExit("no teacher episode passed generate.filter: loosen it (generate.filter=none)")
 
     # -- student, targets -------------------------------------------------------
-    model, tok = load_student(cfg, run.dir, t_tok)
+    with common.main_first(dist):  # rank 0 writes student_init, the others load it
+        model, tok = load_student(cfg, run.dir, t_tok)
     kd_weight, why = kd_setting(t_tok, tok, cfg.kd)
     print(why)
     if kd_weight <= 0:
@@ -450,12 +452,12 @@ def main(cfg: Config) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    step, _ = common.resume(run.dir, cfg.resume, model, opt, sched)
+    step, _ = common.resume(run.dir, cfg.resume, model, opt, sched, dist=dist)
 
     # -- the loop ----------------------------------------------------------------
     model.train()
     vocab = len(tok)
-    bar = tqdm(total=cfg.steps, initial=step, desc="distill", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", dynamic_ncols=True, disable=not dist.main)
     t_last, tok_count, last = time.perf_counter(), 0, {}
     while step < cfg.steps:
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
@@ -467,7 +469,8 @@ def main(cfg: Config) -> dict:
                                             cfg.max_batch_tokens)
             return loss, {"ce": ce, "kd": kd}
 
-        loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)
+        loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step,
+                                                       dist)
         step += 1
         tok_count += n_tok
         bar.update(1)
@@ -478,8 +481,10 @@ def main(cfg: Config) -> dict:
             run.log(step, cfg.steps, last, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            common.save_checkpoint(run.dir, step, model, opt, sched, keep=cfg.keep_checkpoints)
+            common.save_checkpoint(run.dir, step, model, opt, sched, keep=cfg.keep_checkpoints, dist=dist)
     bar.close()
+    if not dist.main:  # rank 0 saves the student and compares it with its teacher; nothing is left to share
+        return {}
 
     # -- final student, comparison -----------------------------------------------
     final = common.save_final(model, tok, run.dir / "final", merge=True)  # full weights

@@ -174,6 +174,21 @@ def step_documents(n_docs: int, k: int, seed: int, step: int) -> list[int]:
     return out
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank `rank`'s sampler seed under torchrun (rank 0's is the config's: one process is unchanged)."""
+    return seed + 1_000_003 * rank
+
+
+def episode_figures(ep: sandbox.Episode, result: dict) -> dict:
+    """What a step's log needs of one rollout, small enough to gather from every rank:
+    its reward terms, tool use, generated tokens and the sampler's log-probs summed."""
+    known = [x for t in ep.turns for x in (t.logprobs or []) if not math.isnan(x)]
+    return {**{k: result[k] for k in ("total", "pass", "factuality", "rules", "budget", "cap_penalty", "tool_match")
+               if k in result},
+            "n_search": ep.n_search, "n_delete": ep.n_delete, "valid": bool(ep.valid),
+            "tokens": sum(len(t.ids) for t in ep.turns), "nll": -sum(known), "n_lp": len(known)}
+
+
 def group_advantages(rewards_: Sequence[float], group_size: int) -> list[float]:
     """A_i = R_i - mean(R of i's group) (Dr. GRPO: no std normalisation).
     Rewards are in document-major order, `group_size` per document."""
@@ -456,9 +471,10 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     if cfg.sampling.backend == "api":
         raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
                          "(the api backend makes teacher episodes: data.teacher)")
-    run = common.start_run(cfg)
+    dist = common.init_distributed()  # torchrun: this rank rolls out its share of each step's prompts
+    run = common.start_run(cfg, dist)
     dev_type = common.device()
-    common.seed_everything(cfg.seed)
+    common.seed_everything(cfg.seed)  # the same initial weights on every rank
     model, tok = load_model(cfg)
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type, model)
     amp = lambda: common.autocast(bf16, dev_type, model)  # noqa: E731  (rollouts and updates both, entered per call)
@@ -468,7 +484,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     lora = bool(getattr(model, "peft_config", None))
     ref_copy = modeling.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
     limits = sandbox.Limits.make(**cfg.limits)
-    gen = rollout.make_generator(cfg.seed, model)
+    gen = rollout.make_generator(rank_seed(cfg.seed, dist.rank), model)  # each rank samples its own draws
     scorer = rewards.Scorer(cfg.reward)
     G, temperature = cfg.group_size, cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
 
@@ -497,11 +513,11 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     opt = make_optimizer(cfg, params)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen},
-                                logs=("metrics.jsonl", "samples.jsonl"))
+                                logs=("metrics.jsonl", "samples.jsonl"), dist=dist)
     if "scorer" in state:
         scorer.load_state_dict(state["scorer"])
         print(f"curriculum: tau {scorer.curriculum.tau}")
-    samples = common.MetricsWriter(run.dir / "samples.jsonl")
+    samples = common.MetricsWriter(run.dir / "samples.jsonl") if dist.main else None
 
     def sample(documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
         if vllm:
@@ -550,35 +566,40 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     best_json = run.dir / "best.json"
     if cfg.eval.keep_best and not eval_docs:
         raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
-    if cfg.eval.keep_best and step == 0 and best_json.exists():
+    if cfg.eval.keep_best and step == 0 and best_json.exists() and dist.main:
         best_json.unlink()  # a new run in an old directory: the old best is not a candidate
     history, last_eval = [], {}
-    if step == 0 and eval_docs:
+    if step == 0 and eval_docs and dist.main:  # rank 0 evaluates; the others wait at the next collective
         last_eval = evaluate()
     while step < cfg.steps:
         t0 = time.perf_counter()
         # -- rollouts ------------------------------------------------------
-        docs = [train_docs[i] for i in step_documents(len(train_docs), cfg.prompts_per_step, cfg.seed, step)]
-        scfg = dataclasses.replace(cfg.sampling, seed=cfg.sampling.seed + 100_003 * step)
-        eps = sample(docs, G, scfg, gen)
+        # this rank's share of the step's documents, each with its whole group of G rollouts
+        docs = dist.shard([train_docs[i] for i in step_documents(len(train_docs), cfg.prompts_per_step, cfg.seed,
+                                                                 step)])
+        scfg = dataclasses.replace(cfg.sampling, seed=rank_seed(cfg.sampling.seed, dist.rank) + 100_003 * step)
+        eps = sample(docs, G, scfg, gen) if docs else []
         t1 = time.perf_counter()
         # -- rewards and advantages ----------------------------------------
         docs_rep = [d for d in docs for _ in range(G)]
-        if reward_fn is not None:
+        if not eps:  # more ranks than the step's documents: this one only joins the collectives
+            results = []
+        elif reward_fn is not None:
             results = reward_fn(docs_rep, eps)
         else:
             results = scorer.score_batch(list(zip(docs_rep, eps)), teacher=teacher)
         bad = [(d.id, r.get("total")) for d, r in zip(docs_rep, results) if not math.isfinite(r.get("total", math.nan))]
         if bad:
             raise FloatingPointError(f"step {step + 1}: non-finite reward for documents {bad[:4]}")
-        if all("pass" in r for r in results):
-            scorer.curriculum.update([bool(r["pass"]) for r in results])
+        # every rank's figures, in rank order (the step's documents in order): the curriculum
+        # and the logged means see the whole step, and the loss its global rollout count
+        step_eps = [x for part in dist.gather([episode_figures(ep, r) for ep, r in zip(eps, results)]) for x in part]
+        if all("pass" in f for f in step_eps):
+            scorer.curriculum.update([bool(f["pass"]) for f in step_eps])
         turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)
         t2 = time.perf_counter()
         # -- update ----------------------------------------------------------
         validate_masks(eps, tok)
-        sampler_all = sampler_logprobs(eps)
-        n_tokens = len(sampler_all)
         keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
                 if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
                 for i in range(g, g + G)]
@@ -612,8 +633,9 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                 is_w = None
                 if vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
                     is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
-                # Dr. GRPO: one constant for every token of the step, whatever its sequence's length
-                loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], len(eps), cfg.sampling.max_new_tokens,
+                # Dr. GRPO: one constant for every token of the step (every rank's rollouts),
+                # whatever its sequence's length
+                loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], len(step_eps), cfg.sampling.max_new_tokens,
                                                  clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=b["ref"],
                                                  beta=cfg.beta, is_weight=is_w)
                 if not torch.isfinite(loss):
@@ -624,12 +646,15 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
                 if epoch == cfg.mu - 1:
                     kl_sum += kl.sum().item() if kl is not None else 0.0
                     clip_n += int(clipped.sum())
+            if epoch == 0 and dist.world > 1:  # the whole step's gap, so every rank stops or none does
+                gap_sum, gap_n = map(sum, zip(*dist.gather((gap_sum, gap_n))))
             gap = gap_sum / gap_n if gap_n else math.nan
             if epoch == 0 and gap_n and gap > cfg.max_logprob_gap:
                 raise RuntimeError(f"step {step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
                                    f"token (max_logprob_gap={cfg.max_logprob_gap}): the update would not be "
                                    "on-policy. Check dropout, the chat template, and that the model returns the "
                                    "logits asked for. Nothing was updated.")
+            dist.reduce_grads(params)  # every rank now holds the whole step's gradient
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(norm):
                 raise FloatingPointError(f"step {step + 1}: gradient norm is {norm.item()}; aborting before the update")
@@ -640,33 +665,40 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         step += 1
         t3 = time.perf_counter()
         # -- log, samples, eval, checkpoint ---------------------------------
-        scored = sum(len(b["adv"]) for b in batches)
-        ts = sandbox.tool_stats(eps)
+        scored, kl_sum, clip_n = map(sum, zip(*dist.gather((sum(len(b["adv"]) for b in batches), kl_sum, clip_n))))
+        n_eps, tokens = len(step_eps), sum(f["tokens"] for f in step_eps)
+        n_lp = sum(f["n_lp"] for f in step_eps)
         fields = {
-            "reward": common.mean(r["total"] for r in results), "pass": common.mean(r.get("pass") for r in results),
-            "tau": scorer.curriculum.tau, "fact": common.mean(r.get("factuality") for r in results),
-            "rules": common.mean(r.get("rules") for r in results), "budget": common.mean(r.get("budget") for r in results),
-            "cap": common.mean(r.get("cap_penalty") for r in results), "match": common.mean(r.get("tool_match") for r in results),
+            **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+                ("reward", "total"), ("pass", "pass"))},
+            "tau": scorer.curriculum.tau,
+            **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+                ("fact", "factuality"), ("rules", "rules"), ("budget", "budget"), ("cap", "cap_penalty"),
+                ("match", "tool_match"))},
             "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
             # entropy: estimated as the mean negative log-prob of the sampled tokens
-            "entropy": -sampler_all[~torch.isnan(sampler_all)].mean().item() if n_tokens else math.nan,
-            "len": n_tokens / len(eps), "search": ts["searches_per_episode"], "delete": ts["deletes_per_episode"],
-            "valid": ts["valid_episode_rate"], "gap": gap, "grad_norm": norm.item(), "lr": lr,
-            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": n_tokens / (t3 - t0),
+            "entropy": sum(f["nll"] for f in step_eps) / n_lp if n_lp else math.nan,
+            "len": tokens / n_eps, "search": sum(f["n_search"] for f in step_eps) / n_eps,
+            "delete": sum(f["n_delete"] for f in step_eps) / n_eps, "valid": sum(f["valid"] for f in step_eps) / n_eps,
+            "gap": gap, "grad_norm": norm.item(), "lr": lr,
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": tokens / (t3 - t0),
         }
         run.log(step, cfg.steps, fields, t3 - t0)
         history.append(fields)
-        if cfg.eval.sample_every and step % cfg.eval.sample_every == 0:
+        if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and samples is not None:
             for ep, r in list(zip(eps, results))[:cfg.eval.n_samples]:
                 samples.write(step=step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
                                                                    if isinstance(v, (int, float, bool))},
                               summary=ep.summary, text=ep.text, n_search=ep.n_search, n_delete=ep.n_delete)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and eval_docs:
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and eval_docs and dist.main:
             last_eval = evaluate()
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
             common.save_checkpoint(run.dir, step, model, opt, sched, state={"scorer": scorer.state_dict()},
-                                   generators={"sample": gen}, keep=cfg.keep_checkpoints)
+                                   generators={"sample": gen}, keep=cfg.keep_checkpoints, dist=dist)
 
+    if not dist.main:  # rank 0 evaluates and saves final/; no collective is left
+        run.finish()
+        return {"history": history, "eval": {}, "step": step}
     if eval_docs:
         last_eval = evaluate()
     final = run.dir / "final"

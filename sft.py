@@ -278,14 +278,21 @@ class EpochBatches:
 
 
 def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, max_grad_norm: float,
-                   step: int) -> tuple[float, dict[str, float], float, float]:
+                   step: int, dist: common.Dist = common.SINGLE) -> tuple[float, dict[str, float], float, float]:
     """One optimizer step over micro-batches (gradient accumulation), as sft.py and
     distill.py take it: `loss_fn(micro_batch) -> (loss, {name: float})`, each loss
     already divided by the step's token count. A non-finite loss aborts before any
     update. Returns (the step's loss, its extra terms summed, the gradient norm
-    before clipping, the learning rate it stepped with)."""
+    before clipping, the learning rate it stepped with).
+
+    Data parallel (`dist`): each rank takes its share of every micro-batch, and the
+    gradients and figures are summed across ranks before clipping, so with the
+    whole step's token count as the divisor every rank steps as one process would."""
     loss_sum, extra = 0.0, {}
     for b in batches:
+        b = dist.shard(b)
+        if not b:
+            continue
         loss, more = loss_fn(b)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents "
@@ -294,6 +301,11 @@ def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, max_gra
         loss_sum += loss.item()
         for k, v in more.items():
             extra[k] = extra.get(k, 0.0) + v
+    if dist.world > 1:
+        dist.reduce_grads(params)
+        parts = dist.gather((loss_sum, extra))
+        loss_sum = sum(x for x, _ in parts)
+        extra = {k: sum(e.get(k, 0.0) for _, e in parts) for k in dict.fromkeys(k for _, e in parts for k in e)}
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     lr = sched.get_last_lr()[0]
     opt.step()
@@ -586,7 +598,8 @@ def load_model(cfg: Config):
 
 
 def main(cfg: Config) -> dict:
-    run = common.start_run(cfg)
+    dist = common.init_distributed()  # torchrun: this rank's share of every batch (common.Dist)
+    run = common.start_run(cfg, dist)
     dev = common.device()
     common.seed_everything(cfg.seed)
     model, tok = load_model(cfg)
@@ -618,9 +631,10 @@ def main(cfg: Config) -> dict:
         docs = held_out_documents(held, cfg.data.docs, cfg.eval.n_docs)
         print(f"data: {len(train)} training episodes ({skipped} over {cfg.data.max_tokens} tokens skipped), "
               f"{len(held_eps)} eval episodes, {len(docs)} held-out documents")
-    if cfg.mode == "rejection":
+    if cfg.mode == "rejection":  # each rank samples its share of the documents
         with amp():
-            passed = rejection_corpus(model, tok, train, cfg, limits, gen)
+            passed = [e for part in dist.gather(rejection_corpus(model, tok, dist.shard(train), cfg, limits, gen))
+                      for e in part]
         train, _ = tokenize_episodes(passed, tok, cfg.data.max_tokens)
     elif cfg.mode == "teacher":
         train = teacher_corpus(train, cfg)
@@ -645,14 +659,16 @@ def main(cfg: Config) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen})
+    step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen}, dist=dist)
     if cfg.mode == "kto" and cfg.kto.min_emission_ratio and docs:
         # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
         emission0 = state.get("kto_emission0")
         if emission0 is None:
-            with amp():
-                emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
-            model.train()
+            if dist.main:
+                with amp():
+                    emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
+                model.train()
+            emission0 = dist.broadcast(emission0)
         state = {"kto_emission0": emission0}
         print(f"kto: summary emission before training {emission0:.3f}; early stop below "
               f"{cfg.kto.min_emission_ratio * emission0:.3f}")
@@ -671,14 +687,14 @@ def main(cfg: Config) -> dict:
 
     model.train()
     history: dict = {}
-    bar = tqdm(total=total_steps, initial=step, desc="sft", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc="sft", dynamic_ncols=True, disable=not dist.main)
     t_last, tok_count = time.perf_counter(), 0
     while step < total_steps:
-        if cfg.eval.every and step % cfg.eval.every == 0 and held_eps:
+        if cfg.eval.every and step % cfg.eval.every == 0 and held_eps and dist.main:  # rank 0 evaluates
             history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=False)
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
-        loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step)
+        loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step, dist)
         step += 1
         tok_count += n_tok
         bar.update(1)
@@ -687,7 +703,8 @@ def main(cfg: Config) -> dict:
             run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
+            ev = dist.broadcast(_log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
+                                if dist.main else None)
             if emission0 is not None and "eval_emission" in ev:
                 if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
                     print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
@@ -695,15 +712,16 @@ def main(cfg: Config) -> dict:
                     break
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
             common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
-                                   keep=cfg.keep_checkpoints)
+                                   keep=cfg.keep_checkpoints, dist=dist)
     bar.close()
     if stream is not None and stream.skipped:
         print(f"leak guard: {len(stream.skipped)} generated documents near-duplicate a held-out one and were skipped")
     common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
-                           keep=cfg.keep_checkpoints)
-    final = common.save_final(model, tok, run.dir / "final")
-    history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
-    print(f"model saved to {final}")
+                           keep=cfg.keep_checkpoints, dist=dist)
+    if dist.main:  # the other ranks are done: no collective is left
+        final = common.save_final(model, tok, run.dir / "final")
+        history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
+        print(f"model saved to {final}")
     run.finish()
     return history
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RL, SANDBOX, SFT, DATA = "tests/test_rl.py", "tests/test_sandbox.py", "tests/test_sft.py", "tests/test_data.py"
 GRAD = "tests/test_rl.py::test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss"
+DIST = "tests/test_distributed.py"
 
 # (name, file, old text, new text, tests that should catch it)
 MUTANTS = [
@@ -47,6 +48,12 @@ MUTANTS = [
     ("rl.main ignores advantage=turn", "rl.py",
      "turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)",
      'turn_adv = turn_advantages(eps, results, G, "outcome", cfg.turn_credit, cfg.reward.tools.w_match)', [GRAD]),
+    ("data parallel: Dr. GRPO's constant counts the rank's rollouts, not the step's", "rl.py",
+     'dr_grpo_loss(logp, b["old"], b["adv"], len(step_eps),', 'dr_grpo_loss(logp, b["old"], b["adv"], len(eps),', [DIST]),
+    ("data parallel: RL gradients not summed across ranks", "rl.py",
+     "            dist.reduce_grads(params)  # every rank now holds the whole step's gradient\n", "", [DIST]),
+    ("data parallel: SFT gradients not summed across ranks", "sft.py",
+     "        dist.reduce_grads(params)\n", "", [DIST]),
     ("RL trains on every document, eval pool included", "rl.py",
      'train = data.pool_documents(docs, manifest, "train", cfg.split)', "train = list(docs)", [RL]),
     ("truncated importance sampling off", "rl.py",
