@@ -3,6 +3,7 @@
     pip install modal && modal setup                                        # once: the client and a token
     python modal_app.py --profile cnn_qwen3_4b --stage sft,rl_v19 --gpu A100-80GB --secret hf
     python modal_app.py --profile smollm --stage all --gpu L4               # the news-world chain, on a GPU box
+    python modal_app.py --profile cnn_qwen3_4b --stage sft --gpu A100-80GB:4   # SFT data-parallel on 4 GPUs
     python modal_app.py --profile cnn_qwen3_4b --stage all --dry-run        # what it would run; modal not needed
     modal volume get factual-tools-runs runs/drgrpo_v19/final ./rl_v19  # fetch a result
 
@@ -31,8 +32,17 @@ VOLUME = "factual-tools-runs"
 IGNORE = [".git", "runs", "out", "wandb", "**/__pycache__", "**/*.pyc"]
 
 
-def plan(profile: str, stages: str, sets: list[str]) -> list[str]:
-    """The pipeline command a call runs remotely; bad stage or --set names exit naming them."""
+def gpu_count(gpu: str) -> int:
+    """Modal's GPU string names the count after a colon: "A100-80GB:4" is four."""
+    kind, _, n = gpu.partition(":")
+    if not kind or (n and (not n.isdigit() or int(n) < 1)):
+        raise SystemExit(f"modal_app: --gpu {gpu!r}: a GPU type, optionally with a count (A100-80GB:4)")
+    return int(n or 1)
+
+
+def plan(profile: str, stages: str, sets: list[str], gpus: int = 1) -> list[str]:
+    """The pipeline command a call runs remotely; bad stage or --set names exit naming them.
+    With several GPUs the trainers run data-parallel under torchrun (`pipeline.py --nproc`)."""
     if profile not in pipeline.PROFILES:
         raise SystemExit(f"modal_app: unknown profile {profile!r}; profiles: {sorted(pipeline.PROFILES)}")
     chain = pipeline.profile_stages(profile)
@@ -42,7 +52,7 @@ def plan(profile: str, stages: str, sets: list[str]) -> list[str]:
         raise SystemExit(f"modal_app: no stage given; stages of {profile}: {names} or all")
     pipeline.stage_overrides(sets, chain)  # checked here, applied by pipeline.py remotely
     return ["python", "pipeline.py", "--profile", profile, *(["--only", ",".join(wanted)] if wanted else []),
-            *(a for item in sets for a in ("--set", item))]
+            *(a for item in sets for a in ("--set", item)), *(["--nproc", str(gpus)] if gpus > 1 else [])]
 
 
 def gpu_requirements() -> list[str]:
@@ -88,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="cnn_qwen3_4b", help=f"one of {sorted(pipeline.PROFILES)}")
     ap.add_argument("--stage", default="all", help="comma-separated stage names, or all")
     ap.add_argument("--gpu", default="A100-80GB", help="a Modal GPU type: T4, L4, A10G, L40S, A100-40GB, A100-80GB, "
-                                                      "H100, H200")
+                                                      "H100, H200; TYPE:N for N of them (the trainers then run "
+                                                      "data-parallel under torchrun)")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="an override for one stage's script, as pipeline.py takes it (repeatable)")
     ap.add_argument("--secret", action="append", default=[], help="a Modal secret to attach (repeatable)")
     ap.add_argument("--timeout-h", type=float, default=24.0, help="the container's time limit, hours")
     ap.add_argument("--dry-run", action="store_true", help="print what would run remotely; launch nothing")
     args = ap.parse_args(argv)
-    cmd = plan(args.profile, args.stage, args.set)
+    cmd = plan(args.profile, args.stage, args.set, gpu_count(args.gpu))
     if args.dry_run:
         print(f"modal: gpu {args.gpu}, volume {VOLUME} at /vol (runs/, out/), secrets {args.secret or 'none'}")
         print(" ".join(cmd))

@@ -377,18 +377,33 @@ def selected(stage: Stage, only: list[str], full: bool) -> bool:
     return stage.name in only if only else (full or not stage.full_only)
 
 
-def run_stage(stage: Stage, cwd: Path) -> float:
+# The trainers run data-parallel under torchrun (`--nproc N`); every other stage is one process.
+DATA_PARALLEL = ("sft.py", "rl.py", "distill.py")
+
+
+def launcher(stage: Stage, nproc: int = 1) -> list[str]:
+    """How a stage's script is started: `python`, or torchrun with `nproc` ranks on
+    this machine for a trainer (`python -m torch.distributed.run` is torchrun)."""
+    if nproc > 1 and stage.argv[0] in DATA_PARALLEL:
+        return ["torchrun", "--standalone", f"--nproc_per_node={nproc}"]
+    return ["python"]
+
+
+def run_stage(stage: Stage, cwd: Path, nproc: int = 1) -> float:
     """Run one stage in `cwd` (its outputs land there); returns its wall-clock
     seconds. A failing stage stops the pipeline with the command to rerun it."""
     script, *rest = stage.argv
     rest = [str(ROOT / a) if a.startswith("configs/") else a for a in rest]
-    cmd = [sys.executable, str(ROOT / script), *rest]
-    print(f"\n=== {stage.label}: {' '.join(['python', *stage.argv])}", flush=True)
+    how = launcher(stage, nproc)
+    start = [sys.executable] if how == ["python"] else [sys.executable, "-m", "torch.distributed.run", *how[1:]]
+    cmd = [*start, str(ROOT / script), *rest]
+    shown = " ".join([*how, *stage.argv])
+    print(f"\n=== {stage.label}: {shown}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, cwd=cwd)
     if rc != 0:
         raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit {rc}); rerun it alone with\n"
-                         f"  python {' '.join(stage.argv)}\nthen `python pipeline.py` continues from there")
+                         f"  {shown}\nthen `python pipeline.py` continues from there")
     if not (cwd / stage.output).exists():
         raise SystemExit(f"pipeline: stage {stage.label!r} finished but did not write {stage.output}")
     return time.perf_counter() - t0
@@ -608,9 +623,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", default="", help="comma-separated stage names (every seed of each)")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                     help="an override for one stage's script (every seed), e.g. sft.epochs=1 (repeatable)")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="GPUs (or CPU processes) for the trainers: SFT, RL and distillation run under torchrun "
+                         "with this many data-parallel ranks; the other stages are one process")
     ap.add_argument("--workdir", default=None, help="where out/ and runs/ go (default: here)")
     ap.add_argument("--out", default="runs/pipeline", help="where the headline table goes (in workdir)")
     args = ap.parse_args(argv)
+    if args.nproc < 1:
+        raise SystemExit(f"pipeline: --nproc must be >= 1, got {args.nproc}")
     stages = profile_stages(args.profile, args.seeds)
     if args.smoke and args.profile != "cnn_qwen3_4b":
         raise SystemExit(f"pipeline: --smoke is for a GPU profile (--profile cnn_qwen3_4b); the {args.profile} chain "
@@ -622,7 +642,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:
         for stage in stages:
             if selected(stage, only, args.full):
-                print(f"{stage.label:14s} python {' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
+                print(f"{stage.label:14s} {' '.join(launcher(stage, args.nproc))} "
+                      f"{' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
         return {}
     work = Path(args.workdir or (f"out/smoke/{args.profile}" if args.smoke else ".")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -651,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
 
                 api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
             stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])
-        seconds[stage.label] = run_stage(stage, work)
+        seconds[stage.label] = run_stage(stage, work, args.nproc)
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
     if server is not None:
         server.shutdown()

@@ -27,6 +27,23 @@ def test_modal_runs_the_pipelines_own_stage_commands():
     assert listed == want and "gpu H100" in out
 
 
+def test_several_gpus_run_the_trainers_under_torchrun_and_the_rest_as_one_process():
+    assert modal_app.gpu_count("A100-80GB") == 1 and modal_app.gpu_count("A100-80GB:4") == 4
+    for bad in ("A100-80GB:0", "H100:x", ":2"):
+        with pytest.raises(SystemExit, match="count"):
+            modal_app.gpu_count(bad)
+    assert modal_app.plan("cnn_qwen3_4b", "sft", [], gpus=4)[-2:] == ["--nproc", "4"]
+    out = subprocess.run([sys.executable, "modal_app.py", "--stage", "sft,rl_v19,eval", "--gpu", "A100-80GB:4",
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["sft"], ["rl_v19"], ["eval"])}
+    assert "--nproc 4" in out and "gpu A100-80GB:4" in out
+    for name in ("sft", "rl_v19"):
+        assert lines[name].split()[1:3] == ["torchrun", "--standalone"] and "--nproc_per_node=4" in lines[name]
+    assert lines["eval"].split()[1] == "python"  # evaluation stays one process
+    stage = next(s for s in pipeline.CNN_STAGES if s.name == "sft")
+    assert pipeline.launcher(stage, 1) == ["python"]
+
+
 @pytest.mark.parametrize("args, named", [
     (("nope", "all", []), "nope"), (("tiny", "sft,bogus", []), "bogus"), (("smollm", "", []), "stage"),
     (("smollm", "all", ["sft:epochs=1"]), "sft:epochs=1"),
