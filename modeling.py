@@ -349,8 +349,16 @@ class ModelConfig:
     # the tree-mask scoring path (DESIGN section 4) needs sdpa or eager, not flash attention
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gpu_memory_utilization: float = 0.5  # share of the GPU vLLM reserves (fast_inference)
+    # GPUs a standalone vLLM engine (serve.py, a vLLM teacher) splits the model over, for
+    # one that does not fit a card; Unsloth's colocated engine (fast_inference) uses one
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"model.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.fast_inference:
+            raise ConfigError("model.tensor_parallel_size > 1 with model.fast_inference: Unsloth's colocated vLLM "
+                              "runs on its rank's GPU; run more GPUs data-parallel (torchrun --nproc_per_node N)")
         if self.fast_inference and self.backend != "unsloth":
             raise ConfigError("model.fast_inference needs model.backend='unsloth' (vLLM runs inside Unsloth)")
         if self.quant != "none" and not self.lora.enabled:

@@ -94,6 +94,7 @@ class PlanConfig:
     model: str = ""  # the planner's model shape: a configs/models/ name or a config.json ("" = model.name_or_path)
     prompt_len: int = 1024  # prompt tokens a rollout starts from (data.max_prompt_tokens when set)
     injected_tokens: int = 400  # results-block tokens a rollout's context holds (2 searches of 200)
+    gpus: int = 1  # data-parallel GPUs the plan is for (torchrun --nproc_per_node): the figures are per GPU
 
 
 @dataclass

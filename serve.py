@@ -262,7 +262,8 @@ class Engine:
             rank = int(json.loads((Path(mcfg.adapter_path) / "adapter_config.json").read_text()).get("r", 16))
         self.model = LLM(model=modeling.resolve_model_path(mcfg.name_or_path), tokenizer=cfg.model,
                          enable_lora=bool(rank), max_lora_rank=max(rank, 8), max_model_len=mcfg.max_seq_len,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+                         gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
+                         tensor_parallel_size=mcfg.tensor_parallel_size)  # base.tensor_parallel_size
         self.lora = LoRARequest("policy", 1, mcfg.adapter_path) if rank else None
         self.limits, self.greedy, self.ban = evaluation.decoding(self.tok, cfg)
         self.context = mcfg.max_seq_len  # vLLM rejects a whole batch holding a longer prompt

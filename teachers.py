@@ -328,7 +328,8 @@ def load_generator(mcfg: modeling.ModelConfig, g: GenerateConfig):
         except ImportError as e:
             raise ImportError(f"generate.backend='vllm' needs vLLM: {modeling.GPU_INSTALL_HINT}") from e
         path = modeling.resolve_model_path(mcfg.name_or_path)
-        return LLM(model=path, enable_prefix_caching=True), modeling.load_tokenizer(path)
+        return (LLM(model=path, enable_prefix_caching=True, tensor_parallel_size=mcfg.tensor_parallel_size),
+                modeling.load_tokenizer(path))
     return modeling.load_policy(mcfg, train=False)
 
 

@@ -174,8 +174,18 @@ class PlanConfig:
     chunked_logits: bool = False        # log-probs one sequence at a time (always with unsloth)
     share_prompt: bool = False          # prefix-cache the prompt and score each group as one tree
     overhead_gb: float = 1.0            # CUDA context and allocator slack
+    # data parallel (torchrun): every GPU holds the model, its adapter and optimizer, and
+    # its share of `batch` (rounded up); the plan is per GPU
+    gpus: int = 1
+    tensor_parallel: int = 1            # GPUs vLLM splits its weights and KV cache over
+
+    @property
+    def batch_per_gpu(self) -> int:
+        return -(-self.batch // self.gpus)
 
     def __post_init__(self):
+        if self.gpus < 1 or self.tensor_parallel < 1:
+            raise ConfigError(f"gpus and tensor_parallel must be >= 1, got {self.gpus} and {self.tensor_parallel}")
         if self.quant != "none" and self.lora_rank == 0:
             raise ConfigError("a quantised model trains through LoRA only: set lora_rank > 0 or quant=none")
         if not 0.0 <= self.gpu_memory_utilization < 1.0:
@@ -210,6 +220,7 @@ def plan_memory(cfg: PlanConfig, shape: ModelShape | None = None) -> MemoryPlan:
     """Peak GPU memory of the SFT step, the RL rollout and the RL update (the
     formulas above), and which of GPU_SIZES_GB each fits."""
     s = shape or load_model_config(cfg.model)
+    batch = cfg.batch_per_gpu  # this GPU's share under data parallel
     unsloth = cfg.backend == "unsloth"
     ab = _DTYPE_BYTES[cfg.dtype]  # activation bytes: 4-bit matmuls compute in this dtype too
     h, n_layers, vocab = s.hidden_size, s.num_hidden_layers, s.vocab_size
@@ -238,24 +249,25 @@ def plan_memory(cfg: PlanConfig, shape: ModelShape | None = None) -> MemoryPlan:
 
     overhead = cfg.overhead_gb * _GIB
     seq = cfg.prompt_len + cfg.completion_len
-    n_seq = cfg.batch * cfg.group_size
-    group_tokens = cfg.batch * (cfg.prompt_len + cfg.group_size * cfg.completion_len)  # prompt once per group
+    n_seq = batch * cfg.group_size
+    group_tokens = batch * (cfg.prompt_len + cfg.group_size * cfg.completion_len)  # prompt once per group
     stages: dict[str, dict[str, float]] = {}
-    stages["sft"] = {"weights": weights, "adapter": adapter, "activations": activations(cfg.batch * seq),
-                     "logits": logits(cfg.batch * seq, seq, cfg.chunked_logits), "overhead": overhead}
+    stages["sft"] = {"weights": weights, "adapter": adapter, "activations": activations(batch * seq),
+                     "logits": logits(batch * seq, seq, cfg.chunked_logits), "overhead": overhead}
 
     # RL rollout: batch x G sequences of prompt + completion
     kv = (group_tokens if cfg.share_prompt else n_seq * seq) * s.kv_bytes_per_token(2 if ab == 2 else 4)
     u = cfg.gpu_memory_utilization
     vllm: dict[str, float] = {}
     if u > 0:
-        vllm = {"weights": 0.0 if unsloth else s.n_params * 2,  # Unsloth's engine uses the trainer's copy
-                "lora": lora * 2, "kv_cache": kv,
+        tp = cfg.tensor_parallel  # vLLM shards its weights and KV heads over tp GPUs
+        vllm = {"weights": 0.0 if unsloth else s.n_params * 2 / tp,  # Unsloth's engine uses the trainer's copy
+                "lora": lora * 2, "kv_cache": kv / tp,
                 "workspace": (_VLLM_BATCHED_TOKENS * (2 * s.intermediate_size + 4 * h) * 2
                               + _VLLM_MAX_SEQS * vocab * 4 * 2 + _VLLM_GRAPHS_GB * _GIB)}
         stages["rollout"] = {"weights": weights, "adapter": adapter, "overhead": overhead}
     else:
-        prefill_rows = cfg.batch if cfg.share_prompt else n_seq
+        prefill_rows = batch if cfg.share_prompt else n_seq
         prefill = prefill_rows * cfg.prompt_len * (2 * s.intermediate_size + 4 * h) * ab + n_seq * vocab * 4
         stages["rollout"] = {"weights": weights, "adapter": adapter, "kv_cache": kv, "prefill": prefill,
                              "overhead": overhead}
@@ -266,7 +278,7 @@ def plan_memory(cfg: PlanConfig, shape: ModelShape | None = None) -> MemoryPlan:
               "logits": logits(n_seq * cfg.completion_len, cfg.completion_len, cfg.chunked_logits or unsloth),
               "overhead": overhead}
     if cfg.share_prompt:  # the additive 4D tree mask, T x T per prompt
-        update["tree_mask"] = cfg.batch * (cfg.prompt_len + cfg.group_size * cfg.completion_len) ** 2 * ab
+        update["tree_mask"] = batch * (cfg.prompt_len + cfg.group_size * cfg.completion_len) ** 2 * ab
     stages["update"] = update
 
     if vllm and unsloth:  # the shared weights sit inside vLLM's reservation, not beside it
@@ -292,9 +304,14 @@ def format_plan(plan: MemoryPlan) -> str:
             if c.lora_rank else "full fine-tune")
     rollout = (f"vLLM reserves {c.gpu_memory_utilization:g} of the card ({sum(plan.vllm.values()):.2f} needed)"
                if plan.vllm else "HF generate")
+    if c.tensor_parallel > 1 and plan.vllm:
+        rollout += f", tensor-parallel over {c.tensor_parallel} GPUs"
+    per_gpu = (f"; per GPU, {c.gpus} GPUs data-parallel (batch {c.batch}: {c.batch_per_gpu} per GPU)"
+               if c.gpus > 1 else "")
     lines = [f"{s.name} ({s.n_params / 1e9:.2f}B): {c.quant if c.quant != 'none' else c.dtype}, {lora}, "
              f"{c.optimizer}, {'grad ckpt' if c.gradient_checkpointing else 'no grad ckpt'}, backend {c.backend}; "
-             f"batch {c.batch} x G {c.group_size}, prompt {c.prompt_len} + completion {c.completion_len}; {rollout}"]
+             f"batch {c.batch} x G {c.group_size}, prompt {c.prompt_len} + completion {c.completion_len}; {rollout}"
+             f"{per_gpu}"]
     cols = [k for k in ("weights", "adapter", "activations", "logits", "kv_cache", "prefill", "tree_mask", "overhead")
             if any(k in v for v in plan.stages.values())]
     lines.append(f"{'GiB':<8}" + "".join(f"{k:>12}" for k in cols) + f"{'total':>8}{'+vLLM':>7}{'min GPU':>9}"
@@ -310,11 +327,12 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def rl_plan_config(cfg, batch: int, share_prompt: bool) -> PlanConfig:
-    """The planner's view of an RL run (`rl.Config`) with `batch` groups in flight:
-    completions of max_new_tokens plus the results blocks injected into them."""
+def rl_plan_config(cfg, batch: int, share_prompt: bool, gpus: int = 1) -> PlanConfig:
+    """The planner's view of an RL run (`rl.Config`) with `batch` groups in flight
+    (over `gpus` data-parallel ranks): completions of max_new_tokens plus the results
+    blocks injected into them."""
     m = cfg.model
-    return PlanConfig(
+    return PlanConfig(gpus=gpus, tensor_parallel=m.tensor_parallel_size,
         model=cfg.plan.model or m.name_or_path,
         dtype="bfloat16" if m.dtype == "auto" else m.dtype,
         quant=m.quant, lora_rank=m.lora.rank if m.lora.enabled else 0, lora_targets=list(m.lora.target_modules),
@@ -332,7 +350,9 @@ def rl_memory_plan(cfg) -> MemoryPlan:
     vLLM's needs fit u x C and the trainer's (1 - u) x C."""
     # vLLM's prefix cache holds a group's prompt once; the hf engine expands it to G
     # cache rows. Group scoring computes the prompt once per group; tree and branch per rollout.
-    roll = plan_memory(rl_plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm"))
+    # Under torchrun each rank rolls out its share of the step's groups; every rank's
+    # update takes `micro_groups` of its own groups per forward/backward.
+    roll = plan_memory(rl_plan_config(cfg, cfg.prompts_per_step, cfg.sampling.backend == "vllm", cfg.plan.gpus))
     upd = plan_memory(rl_plan_config(cfg, cfg.micro_groups, cfg.score_method == "group"))
     plan = dataclasses.replace(roll, stages={"rollout": roll.stages["rollout"], "update": upd.stages["update"]},
                                vllm=roll.vllm, min_gpu_gb={}, fits={})
@@ -350,8 +370,11 @@ def format_rl_plan(cfg) -> str:
     plan = rl_memory_plan(cfg)
     verdict = ", ".join(f"{g} GB {'yes' if all(f[g] for f in plan.fits.values()) else 'no'}"
                         for g in GPU_SIZES_GB)
-    return (f"{format_plan(plan)}\n(rollout: {cfg.prompts_per_step} groups in flight; update: "
-            f"{cfg.micro_groups} group(s) per forward/backward)\nRL fits: {verdict}")
+    n = cfg.plan.gpus
+    flight = (f"{cfg.prompts_per_step} groups in flight" if n == 1 else
+              f"{cfg.prompts_per_step} groups a step over {n} GPUs, {plan.config.batch_per_gpu} in flight on each")
+    return (f"{format_plan(plan)}\n(rollout: {flight}; update: {cfg.micro_groups} group(s) per forward/backward"
+            f"{' on each GPU' if n > 1 else ''})\nRL fits{' per GPU' if n > 1 else ''}: {verdict}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -392,6 +392,45 @@ def test_planner_components():
         PlanConfig(quant="4bit", lora_rank=0)
 
 
+def test_the_plan_is_per_gpu_when_ranks_share_the_batch_and_vllm_splits_over_tensor_parallel_gpus():
+    """Data parallel: every GPU holds the weights, the adapter and its optimizer, and
+    its share of the batch (rounded up). Tensor parallel: vLLM's weights and KV cache
+    are split across the GPUs."""
+    one = plan_memory(dataclasses.replace(GRPO, batch=8))
+    four = plan_memory(dataclasses.replace(GRPO, batch=8, gpus=4))
+    two_each = plan_memory(dataclasses.replace(GRPO, batch=2))
+    for stage in ("sft", "rollout", "update"):
+        assert four.stages[stage] == two_each.stages[stage]
+        assert four.stages[stage]["weights"] == one.stages[stage]["weights"]
+    assert plan_memory(dataclasses.replace(GRPO, batch=3, gpus=2)).stages == plan_memory(
+        dataclasses.replace(GRPO, batch=2)).stages  # 3 prompts on 2 GPUs: 2 on the busier one
+    tp = plan_memory(dataclasses.replace(GRPO, tensor_parallel=2))
+    assert tp.vllm["weights"] == pytest.approx(plan_memory(GRPO).vllm["weights"] / 2)
+    assert tp.vllm["kv_cache"] == pytest.approx(plan_memory(GRPO).vllm["kv_cache"] / 2)
+    text = vram.format_plan(four)
+    assert "per GPU, 4 GPUs data-parallel (batch 8: 2 per GPU)" in text
+    with pytest.raises(ConfigError, match="gpus"):
+        PlanConfig(gpus=0)
+
+
+def test_a_vllm_teacher_is_split_over_tensor_parallel_gpus(monkeypatch):
+    """model.tensor_parallel_size reaches vLLM's engine (a stand-in module records it)."""
+    import types
+
+    import teachers
+
+    made = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kw: made.update(kw) or "engine"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(modeling, "load_tokenizer", lambda path: "tok")
+    mcfg = ModelConfig(name_or_path="some/model", tensor_parallel_size=4)
+    assert teachers.load_generator(mcfg, teachers.GenerateConfig(backend="vllm")) == ("engine", "tok")
+    assert made["tensor_parallel_size"] == 4
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        ModelConfig(tensor_parallel_size=0)
+
+
 # Unsloth's long-context GRPO post (unsloth.ai/blog/grpo, 20 Feb 2025), "GRPO VRAM
 # breakdown" for Llama 3.1 8B, 8 generations of 20K tokens: TRL + FA2 needs 78.3 GB
 # for the GRPO loss (the fp32 logits), Unsloth 9.8 GB (one generation at a time);

@@ -21,6 +21,7 @@ import modeling
 import data
 import newsworld
 import rl
+import vram
 import rollout as R
 import sandbox as S
 from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, offline_trackers, save_tiny_policy, script_ids,
@@ -606,6 +607,21 @@ def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything(
     bad = subprocess.run([sys.executable, "rl.py", "--config", "configs/drgrpo_v17.yaml", "--plan", "group_sise=4"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "did you mean 'group_size'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_plan_for_several_gpus_is_per_gpu_with_each_ranks_share_of_the_groups():
+    """`--plan plan.gpus=4`: each GPU rolls out 2 of v19's 8 groups a step (the others run on
+    the other ranks) and updates its own micro-groups; the weights are on every GPU."""
+    one = settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "prompts_per_step=8"])
+    four = settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "prompts_per_step=8",
+                                            "plan.gpus=4"])
+    p1, p4 = vram.rl_memory_plan(one), vram.rl_memory_plan(four)
+    assert p4.stages["update"] == p1.stages["update"] and p4.stages["rollout"]["weights"] == p1.stages["rollout"]["weights"]
+    assert p4.vllm["kv_cache"] == pytest.approx(p1.vllm["kv_cache"] / 4)  # 2 groups' KV cache of 8
+    text = vram.format_rl_plan(four)
+    assert "8 groups a step over 4 GPUs, 2 in flight on each" in text and "RL fits per GPU:" in text
+    with pytest.raises(settings.ConfigError, match="fast_inference"):
+        settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "model.tensor_parallel_size=2"])
 
 
 @pytest.fixture(scope="module")
