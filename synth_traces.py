@@ -3,6 +3,7 @@
     python synth_traces.py --config configs/synth_newsworld.yaml           # CPU: news world, oracle teacher
     python synth_traces.py --config configs/synth_api.yaml --shard 0/4     # one of four machines
     python synth_traces.py merge out/traces/all.jsonl out/traces/api.shard*of4.jsonl
+    python synth_traces.py --config configs/synth_api.yaml --shards 4 --gpus 4  # four at once here, merged
 
 For each document, `drafter.drafts_per_doc` traces:
 1. Draft a faulty summary: the news world's drafter (labelled errors), or a model under one of
@@ -45,12 +46,13 @@ import newsworld
 import oracle
 import sandbox
 import textsplit
+import traces
 from teachers import (
     Annotation, GenerateConfig, Judge, PromptedTokenizer, TeacherConfig, load_generator, make_annotator,
     sampling_for, unique_rounds, written_text,
 )
 from traces import (
-    append_traces, done_ids, merge, parse_shard, shard_of, shard_path, stable_hash, tfidf_cosine,
+    append_traces, done_ids, flags_to_keys, merge, parse_shard, shard_of, shard_path, stable_hash, tfidf_cosine,
     tfidf_for,
 )
 
@@ -688,28 +690,19 @@ def cli(argv: Sequence[str] | None = None) -> int:
               f"-> {argv[1]}")
         return 0
     try:
-        main(settings.load_config(Config, flags_to_keys(argv)))
+        argv, n, gpus = traces.pop_shards(argv)
+        cfg = settings.load_config(Config, flags_to_keys(argv))
+        if n == 1:
+            main(cfg)
+            return 0
+        # --shards N: the N shards at once on this machine, then their merge into out_path
+        traces.run_shards(__file__, argv, n, gpus)
+        res = merge(cfg.out_path, [shard_path(cfg.out_path, i, n) for i in range(n)])
+        print(f"merge: {res['traces']} traces from {n} shards -> {cfg.out_path}")
     except (settings.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def flags_to_keys(argv: Sequence[str]) -> list[str]:
-    """`--shard i/n` and `--limit N` (or `--shard=i/n`) as the config keys they are: `shard=i/n`, `limit=N`."""
-    out, it = [], iter(argv)
-    for a in it:
-        flag = next((f for f in ("--shard", "--limit") if a == f or a.startswith(f + "=")), None)
-        if flag is None:
-            out.append(a)
-        elif a == flag:
-            value = next(it, None)
-            if value is None:
-                raise settings.ConfigError(f"{flag} needs a value")
-            out.append(f"{flag[2:]}={value}")
-        else:
-            out.append(a[2:])
-    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python teacher_episodes.py --config configs/teacher_cnn.yaml        # an OpenAI-compatible endpoint
     python teacher_episodes.py --config configs/teacher_cnn.yaml sampling.backend=hf model.name_or_path=DIR
+    python teacher_episodes.py --config configs/teacher_cnn.yaml --shards 4 --gpus 4   # 4 at once, merged
 
 A teacher (a strong model behind an OpenAI-compatible server, e.g. vLLM's or a
 hosted API: `sampling.backend=api`; or a local HF model: `hf`) writes one
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import modeling
 import data
 import rollout
 import sandbox
+import traces
 
 PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
@@ -54,6 +57,7 @@ class Config:
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     chunk: int = 16  # documents per rollout call (and per append to `out`)
     seed: int = 0
+    shard: str = "0/1"  # i/n: the documents whose id hashes to i mod n, written to OUT.shard{i}of{n}.jsonl
 
 
 def documents(cfg: DataConfig) -> list:
@@ -87,8 +91,9 @@ def done_ids(path: Path) -> set[str]:
 
 
 def main(cfg: Config) -> dict:
-    docs = documents(cfg.data)
-    out = Path(cfg.out)
+    si, sn = traces.parse_shard(cfg.shard)
+    docs = [d for d in documents(cfg.data) if traces.shard_of(d.id, sn) == si]
+    out = Path(traces.shard_path(cfg.out, si, sn))
     out.parent.mkdir(parents=True, exist_ok=True)
     have = done_ids(out)
     todo = [d for d in docs if d.id not in have]
@@ -137,16 +142,32 @@ def main(cfg: Config) -> dict:
           + (f"; {skipped} failed (run again to ask for them)" if skipped else ""))
     summary = {"written": written, "covered": total, "documents": len(docs), "failed": skipped}
     if total >= len(docs):  # the pipeline's mark that this stage is complete
-        common.atomic_write_text(str(done_path(cfg)), json.dumps(summary) + "\n")
+        common.atomic_write_text(str(done_path(out)), json.dumps(summary) + "\n")
     return summary
 
 
-def done_path(cfg: Config) -> Path:
+def done_path(out: str | Path) -> Path:
     """Written once every document has its episode: out/teacher/cnn_train.jsonl -> cnn_train.done.json."""
-    return Path(cfg.out).with_suffix(".done.json")
+    return Path(out).with_suffix(".done.json")
+
+
+def run_shards(cfg: Config, argv: list[str], n: int, gpus: int) -> dict:
+    """`--shards N`: the N shards at once on this machine, then their merge into `out`
+    (complete once every shard is)."""
+    traces.run_shards(__file__, argv, n, gpus)
+    parts = [traces.shard_path(cfg.out, i, n) for i in range(n)]
+    res = traces.merge(cfg.out, parts, key=lambda rec: rec.get("doc_id"), what="teacher episode")
+    print(f"teacher: {res['traces']} episodes from {n} shards -> {cfg.out}")
+    if all(done_path(p).exists() for p in parts):
+        common.atomic_write_text(str(done_path(cfg.out)), json.dumps({"covered": res["traces"], "shards": n}) + "\n")
+    return res
 
 
 if __name__ == "__main__":
     with settings.config_errors_exit():
-        _cfg = settings.load_config(Config)
-    main(_cfg)
+        _argv, _n, _gpus = traces.pop_shards(sys.argv[1:])
+        _cfg = settings.load_config(Config, traces.flags_to_keys(_argv))
+    if _n > 1:
+        run_shards(_cfg, _argv, _n, _gpus)
+    else:
+        main(_cfg)

@@ -146,23 +146,86 @@ def append_traces(path: str, episodes: Sequence[sandbox.Episode]) -> None:
         f.flush()
 
 
-def merge(out: str, inputs: Sequence[str]) -> dict:
-    """Join shard files: identical duplicates (same id) are kept once, conflicting ones are an error."""
+def trace_id(rec: dict):
+    return rec.get("meta", {}).get("id")
+
+
+def merge(out: str, inputs: Sequence[str], key=trace_id, what: str = "trace") -> dict:
+    """Join shard files: identical duplicates (the same `key`: a trace's meta.id, a teacher
+    episode's doc_id) are kept once, conflicting ones are an error."""
     seen: dict[str, tuple[str, str]] = {}
     lines = []
     dups = 0
     for path in inputs:
         for n, rec in iter_trace_lines(path):
-            tid = rec.get("meta", {}).get("id")
+            tid = key(rec)
             if tid is None:
-                raise data.DataError(f"{path}:{n}: trace without meta.id")
+                raise data.DataError(f"{path}:{n}: {what} without its id")
             canon = json.dumps(rec, sort_keys=True, ensure_ascii=False)
             if tid in seen:
                 if seen[tid][0] != canon:
-                    raise data.DataError(f"{path}:{n}: trace {tid!r} conflicts with the one in {seen[tid][1]}")
+                    raise data.DataError(f"{path}:{n}: {what} {tid!r} conflicts with the one in {seen[tid][1]}")
                 dups += 1
                 continue
             seen[tid] = (canon, f"{path}:{n}")
             lines.append(json.dumps(rec, ensure_ascii=False))
     common.atomic_write_text(out, "".join(x + "\n" for x in lines))
     return {"traces": len(lines), "duplicates": dups, "inputs": len(inputs)}
+
+
+# ---------------------------------------------------------------------------
+# Shards on one machine: `--shards N` runs `--shard i/N` for every i at once
+# ---------------------------------------------------------------------------
+
+
+def pop_shards(argv: Sequence[str]) -> tuple[list[str], int, int]:
+    """(argv without them, N, G) from `--shards N` and `--gpus G` (or `--shards=N`): N
+    shard processes at once, shard i on GPU i mod G alone (G = 0: no GPU is assigned)."""
+    out, found, it = [], {"--shards": 1, "--gpus": 0}, iter(argv)
+    for a in it:
+        flag = next((f for f in found if a == f or a.startswith(f + "=")), None)
+        if flag is None:
+            out.append(a)
+            continue
+        value = next(it, None) if a == flag else a.split("=", 1)[1]
+        if value is None or not value.isdigit():
+            raise settings.ConfigError(f"{flag} needs a whole number, got {value!r}")
+        found[flag] = int(value)
+    if found["--shards"] < 1:
+        raise settings.ConfigError("--shards must be >= 1")
+    return out, found["--shards"], found["--gpus"]
+
+
+def run_shards(script: str, argv: Sequence[str], n: int, gpus: int = 0, cwd: str | None = None) -> None:
+    """Run `python script ARGV --shard i/n` for every i < n at once and wait for all of
+    them. With `gpus`, shard i sees GPU i mod gpus alone (CUDA_VISIBLE_DEVICES). A
+    failed shard keeps what it wrote (a rerun resumes it) and is named with its
+    command; the others run to their end."""
+    import subprocess
+
+    procs = []
+    for i in range(n):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else {}))
+        cmd = [sys.executable, script, *argv, "--shard", f"{i}/{n}"]
+        procs.append((cmd, subprocess.Popen(cmd, env=env, cwd=cwd)))
+    failed = [(cmd, rc) for cmd, p in procs if (rc := p.wait()) != 0]
+    if failed:
+        raise SystemExit("shards failed (a rerun resumes each):\n" + "\n".join(
+            f"  exit {rc}: python {' '.join(cmd[1:])}" for cmd, rc in failed))
+
+
+def flags_to_keys(argv: Sequence[str]) -> list[str]:
+    """`--shard i/n` and `--limit N` (or `--shard=i/n`) as the config keys they are: `shard=i/n`, `limit=N`."""
+    out, it = [], iter(argv)
+    for a in it:
+        flag = next((f for f in ("--shard", "--limit") if a == f or a.startswith(f + "=")), None)
+        if flag is None:
+            out.append(a)
+        elif a == flag:
+            value = next(it, None)
+            if value is None:
+                raise settings.ConfigError(f"{flag} needs a value")
+            out.append(f"{flag[2:]}={value}")
+        else:
+            out.append(a[2:])
+    return out

@@ -464,6 +464,24 @@ def test_limit_then_all_and_shards_merge_to_the_same_traces(tmp_path):
         traces.merge(str(tmp_path / "m2.jsonl"), [merged, str(bad)])
 
 
+def test_shards_run_at_once_and_merge_into_the_output(tmp_path):
+    """`--shards 2`: both shard processes run at once, then their merge is out_path; it
+    holds the traces one process writes. Bad counts are one-line errors."""
+    ref = _cfg(tmp_path, f"out_path={tmp_path / 'ref.jsonl'}")
+    st.main(ref)
+    args = [f"docs_path={tmp_path / 'docs.jsonl'}", f"out_path={tmp_path / 'two.jsonl'}",
+            f"runs_dir={tmp_path / 'runs'}", "batch_docs=4"]
+    assert st.cli([*args, "--shards", "2"]) == 0
+    got = sorted(open(tmp_path / "two.jsonl", encoding="utf-8").read().splitlines())
+    assert got == sorted(open(ref.out_path, encoding="utf-8").read().splitlines())
+    for i in range(2):
+        assert os.path.exists(tmp_path / f"two.shard{i}of2.jsonl")
+    assert traces.pop_shards(["--shards=4", "a=1", "--gpus", "2"]) == (["a=1"], 4, 2)
+    for bad in (["--shards", "x"], ["--shards"], ["--shards", "0"]):
+        with pytest.raises(settings.ConfigError, match="shards"):
+            traces.pop_shards(bad)
+
+
 def test_shard_parsing_and_flags():
     assert traces.parse_shard("1/4") == (1, 4)
     for bad in ("4/4", "1", "a/b", "-1/2"):

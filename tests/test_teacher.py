@@ -48,12 +48,34 @@ def config(docs, tmp_path, url, **over):
     return cfg
 
 
+def test_shards_run_at_once_and_merge_into_out_with_its_completion_mark(docs, tmp_path):
+    """`--shards 2` against one endpoint: two shard processes, their merge in `out`
+    (every document once), and the pipeline's completion mark once both are complete."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    srv = TeacherServer()
+    try:
+        out = tmp_path / "teacher.jsonl"
+        cmd = [sys.executable, "teacher_episodes.py", f"out={out}", f"data.train={docs}", "data.max_docs=5",
+               "chunk=2", f"sampling.api_base={srv.url}", "sampling.api_model=teacher-model",
+               "sampling.api_mode=completions", "sampling.api_retries=0", "--shards", "2"]
+        run = subprocess.run(cmd, cwd=Path(T.__file__).parent, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        eps = sandbox.read_episodes(str(out))
+        assert sorted(e.doc_id for e in eps) == sorted(d.id for d in data.read_documents(docs)[:5])
+        assert json.loads(T.done_path(out).read_text())["covered"] == 5
+    finally:
+        srv.httpd.shutdown()
+
+
 def test_teacher_episodes_go_through_the_sandbox_and_a_rerun_resumes(docs, tmp_path):
     srv = TeacherServer()
     try:
         cfg = config(docs, tmp_path, srv.url)
         assert T.main(cfg) == {"written": 5, "covered": 5, "documents": 5, "failed": 0}
-        assert json.loads(T.done_path(cfg).read_text())["covered"] == 5  # the pipeline's completion mark
+        assert json.loads(T.done_path(cfg.out).read_text())["covered"] == 5  # the pipeline's completion mark
         eps = sandbox.read_episodes(cfg.out)
         assert [e.doc_id for e in eps] == [d.id for d in data.read_documents(docs)[:5]]
         for e in eps:
@@ -74,7 +96,7 @@ def test_an_endpoint_that_dies_loses_only_the_chunk_in_flight(docs, tmp_path):
         with pytest.raises(SystemExit, match="every request of a chunk failed.*HTTP 400"):
             T.main(cfg)
         assert len(sandbox.read_episodes(cfg.out)) == 2  # the first chunk is on disk
-        assert not T.done_path(cfg).exists()
+        assert not T.done_path(cfg.out).exists()
     finally:
         srv.httpd.shutdown()
     with open(cfg.out, "a") as f:
@@ -105,7 +127,7 @@ def test_a_document_the_endpoint_always_rejects_costs_only_itself(docs, tmp_path
     try:
         cfg = config(docs, tmp_path, url)
         assert T.main(cfg) == {"written": 4, "covered": 4, "documents": 5, "failed": 1}
-        assert not T.done_path(cfg).exists()
+        assert not T.done_path(cfg.out).exists()
         assert T.main(cfg) == {"written": 0, "covered": 4, "documents": 5, "failed": 1}  # asked again, still bad
     finally:
         httpd.shutdown()
