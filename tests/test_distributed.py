@@ -338,12 +338,21 @@ def test_distill_two_ranks_take_the_step_one_process_takes(distill_setup, tmp_pa
     assert (two / "final" / "config.json").exists() and (two / "distill.json").exists()
 
 
-def test_torchrun_runs_the_script_as_it_is(sft_setup, tmp_path):
-    """The README's command: torchrun (here `python -m torch.distributed.run`, the
-    same launcher) starts two copies of sft.py, which find their ranks in the
-    environment; one step line per step, from rank 0, and one final/."""
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+    # accelerate's multi-GPU launcher is torchrun's; it starts CPU processes as well
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_torchrun_and_accelerate_launch_run_the_script_as_it_is(sft_setup, tmp_path, launcher):
+    """The README's commands: torchrun (here `python -m torch.distributed.run`, the same
+    launcher) or `accelerate launch` starts two copies of sft.py, which find their
+    ranks in the environment; one step line per step, from rank 0, and one final/."""
     model, train = sft_setup
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py",
+    cmd = [*LAUNCHERS[launcher], "sft.py",
            "--config", "configs/sft_tiny.yaml", "init=", f"model.name_or_path={model}", f"data.train={train}",
            "data.eval=", "data.docs=", "eval.every=0", "eval.n_docs=0", "epochs=1", "batch_episodes=4", "save_every=1",
            "log_every=1", "rewrite_weight=1", "autocast=none", f"runs_dir={tmp_path}", "name=cli"]
