@@ -599,6 +599,9 @@ def load_model(cfg: Config):
 
 def main(cfg: Config) -> dict:
     dist = common.init_distributed()  # torchrun: this rank's share of every batch (common.Dist)
+    if dist.world > 1 and cfg.mode == "kto":
+        raise SystemExit("mode=kto runs as one process: its reference point z is the mean over a whole "
+                         "micro-batch, which no rank sees under torchrun; start it with python, not torchrun")
     run = common.start_run(cfg, dist)
     dev = common.device()
     common.seed_everything(cfg.seed)

@@ -346,6 +346,12 @@ LAUNCHERS = {
 }
 
 
+def test_kto_refuses_to_run_data_parallel(sft_setup, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "init_distributed", lambda: common.Dist(rank=0, world=2))
+    with pytest.raises(SystemExit, match="mode=kto runs as one process"):
+        sft.main(sft_config(sft_setup, tmp_path, mode="kto"))
+
+
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_torchrun_and_accelerate_launch_run_the_script_as_it_is(sft_setup, tmp_path, launcher):
     """The README's commands: torchrun (here `python -m torch.distributed.run`, the same
