@@ -161,16 +161,6 @@ class Dist:
         td.all_gather_object(out, obj)
         return out
 
-    def broadcast(self, obj):
-        """Rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        import torch.distributed as td
-
-        box = [obj]
-        td.broadcast_object_list(box, src=0)
-        return box[0]
-
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as td

@@ -666,12 +666,10 @@ def main(cfg: Config) -> dict:
     if cfg.mode == "kto" and cfg.kto.min_emission_ratio and docs:
         # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
         emission0 = state.get("kto_emission0")
-        if emission0 is None:
-            if dist.main:
-                with amp():
-                    emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
-                model.train()
-            emission0 = dist.broadcast(emission0)
+        if emission0 is None:  # (KTO runs as one process: see above)
+            with amp():
+                emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
+            model.train()
         state = {"kto_emission0": emission0}
         print(f"kto: summary emission before training {emission0:.3f}; early stop below "
               f"{cfg.kto.min_emission_ratio * emission0:.3f}")
@@ -706,8 +704,7 @@ def main(cfg: Config) -> dict:
             run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            ev = dist.broadcast(_log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
-                                if dist.main else None)
+            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True) if dist.main else {}
             if emission0 is not None and "eval_emission" in ev:
                 if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
                     print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
