@@ -1,4 +1,4 @@
-"""Shared plumbing for every script: atomic writes, runs and metrics, seeding, checkpoints.
+"""Shared plumbing for every script: atomic writes, data parallel, runs and metrics, seeding, checkpoints.
 
 The bottom layer: it imports nothing of this repository but `settings` (the
 config loader). Models are built and loaded in `modeling.py`, GPU memory is
@@ -113,7 +113,6 @@ def atomic_dir(final_path: str | os.PathLike):
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     atomic_write_text(path, format_config(cfg))
-
 
 
 # ---------------------------------------------------------------------------
