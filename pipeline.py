@@ -62,6 +62,9 @@ class Stage:
     full_only: bool = False  # run with --full only
     checkpoints: bool = False  # resumes from its checkpoints (--fresh passes resume=none)
     seed: int | None = None  # the seed this stage runs for (None: shared by every seed)
+    # a failure is reported and the chain goes on without its output (the student: a
+    # failed distillation must not cost the SFT and RL rows their evaluation)
+    optional: bool = False
 
     @property
     def label(self) -> str:
@@ -172,7 +175,7 @@ def chain_stages(c: Chain, seeds: int, cfg: dict[str, str], base: list[Stage]) -
                     c.ablation(n, s), full_only=True, checkpoints=True, seed=s) for n, ablation in c.ablations.items()],
             Stage("distill", ["distill.py", "--config", cfg["distill"],
                               *seeded(s, f"name=distill_{c.name}{x}", f"teacher={c.rl(s)}")],
-                  f"{c.run('distill', s)}/distill.json", checkpoints=True, seed=s),
+                  f"{c.run('distill', s)}/distill.json", checkpoints=True, seed=s, optional=True),
             Stage("eval", ["eval.py", "--config", cfg["eval"], *seeded(s, f"name=eval_{c.name}{x}"), "--compare",
                            *evals], f"{c.run('eval', s)}/eval.json", seed=s),
             Stage("eval_full", ["eval.py", "--config", cfg["eval"], f"name=eval_{c.name}{x}_full", *seeded(s),
@@ -363,6 +366,17 @@ def with_overrides(stage: Stage, over: list[str], argv: list[str] | None = None)
     argv = list(argv or stage.argv)
     at = argv.index("--compare") if "--compare" in argv else len(argv)
     return dataclasses.replace(stage, argv=[*argv[:at], *over, *argv[at:]])
+
+
+def without_failed(stage: Stage, failed: list[Stage]) -> Stage:
+    """`stage` without the `--compare` entries that failed optional stages would have
+    written (a student whose distillation failed)."""
+    gone = [str(Path(f.output).parent) for f in failed]
+    if "--compare" not in stage.argv or not gone:
+        return stage
+    at = stage.argv.index("--compare") + 1
+    keep = [a for a in stage.argv[at:] if not any(a == g or a.startswith(g + "/") for g in gone)]
+    return dataclasses.replace(stage, argv=[*stage.argv[:at], *keep])
 
 
 def smoke_stage(stage: Stage) -> Stage:
@@ -652,6 +666,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds_path = out / "seconds.json"
     seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
     t_start = time.perf_counter()
+    failed: list[Stage] = []  # optional stages that failed in this call
     for stage in stages:
         if not selected(stage, only, args.full):
             continue
@@ -665,6 +680,7 @@ def main(argv: list[str] | None = None) -> dict:
             # nor build on an old output: synth resumes an existing trace file, and a frozen split refuses a rewrite
             (work / stage.output).unlink()
         stage = with_overrides(stage, over)
+        stage = without_failed(stage, failed)
         if any("{api}" in a for a in stage.argv):  # --smoke: the oracle teacher, started once the documents exist
             if server is None:
                 import data
@@ -672,10 +688,20 @@ def main(argv: list[str] | None = None) -> dict:
 
                 api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
             stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])
-        seconds[stage.label] = run_stage(stage, work, args.nproc)
+        try:
+            seconds[stage.label] = run_stage(stage, work, args.nproc)
+        except SystemExit as e:
+            if not stage.optional:
+                raise
+            print(f"{e}\npipeline: {stage.label} is optional: the chain goes on without it", flush=True)
+            failed.append(stage)
+            continue
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
     if server is not None:
         server.shutdown()
+    for stage in failed:
+        print(f"pipeline: {stage.label} failed; its student is left out of the table (rerun it alone with "
+              f"`python {' '.join(stage.argv)}`, then `python pipeline.py` again)")
     chain = CHAINS.get(args.profile)
     if chain is None:
         report = work / "runs/eval_cnn/report.md"

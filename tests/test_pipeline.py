@@ -180,6 +180,36 @@ def test_stage_names_and_overrides_are_checked(tmp_path):
         assert "--config" not in s.argv or (ROOT / s.argv[s.argv.index("--config") + 1]).exists(), s.name
 
 
+def test_a_failed_student_leaves_the_rest_of_the_chain_and_its_evaluation_standing(tmp_path, monkeypatch, capsys):
+    """Distillation is the one optional stage: when it fails (say no teacher episode
+    passed its filter), the chain goes on, the evaluation leaves that student out and
+    the end says which stage failed. Any other stage's failure still stops the chain."""
+    ran = []
+
+    def fake_run(stage, cwd, nproc=1):
+        ran.append(stage)
+        if stage.name in fail:
+            raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit 1)")
+        out = cwd / stage.output
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix:
+            out.write_text(json.dumps({"models": []}))
+        else:
+            out.mkdir(exist_ok=True)
+        return 0.0
+
+    monkeypatch.setattr(pipeline, "run_stage", fake_run)
+    fail = {"distill"}
+    pipeline.main(["--profile", "tiny", "--workdir", str(tmp_path)])
+    ev = next(st for st in ran if st.name == "eval")
+    assert "runs/distill_tiny/final" not in ev.argv and "runs/rl_tiny/final" in ev.argv
+    assert "distill failed; its student is left out" in capsys.readouterr().out
+    fail, ran[:] = {"rl"}, []
+    with pytest.raises(SystemExit, match="'rl' failed"):
+        pipeline.main(["--profile", "tiny", "--workdir", str(tmp_path / "b")])
+    assert [st.name for st in ran][-1] == "rl"
+
+
 SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
     "base": ["data.generate=48", "epochs=1", "eval.every=0", "eval.n_docs=2", "eval.max_new_tokens=16"],
     "traces": ["limit=24", "drafter.generate.max_new_tokens=24"],
