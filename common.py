@@ -206,6 +206,20 @@ def main_first(dist: Dist):
         dist.barrier()
 
 
+def close_distributed(dist: Dist) -> None:
+    """The end of a data-parallel run, on every rank: wait until every rank is done
+    (rank 0 saves final/ and evaluates last), then take the process group down
+    together. A rank that left while another still held the group could be
+    aborted in gloo's teardown ("terminate called without an active exception")."""
+    if dist.world == 1:
+        return
+    import torch.distributed as td
+
+    if td.is_initialized():
+        td.barrier()
+        td.destroy_process_group()
+
+
 def init_distributed() -> Dist:
     """The data-parallel group this process was launched in: under torchrun (or
     `accelerate launch`, which runs torchrun's launcher) WORLD_SIZE > 1 and the
@@ -226,7 +240,8 @@ def init_distributed() -> Dist:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local)
-        # rank 0 evaluates while the others wait at the next collective: allow it an hour
+        # rank 0 evaluates while the others wait (at the next collective, or at the end
+        # in close_distributed): allow it an hour
         td.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=1))
     if td.get_world_size() != world or td.get_rank() != rank:
         raise RuntimeError(f"process group is rank {td.get_rank()} of {td.get_world_size()}, "

@@ -483,7 +483,8 @@ def main(cfg: Config) -> dict:
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
             common.save_checkpoint(run.dir, step, model, opt, sched, keep=cfg.keep_checkpoints, dist=dist)
     bar.close()
-    if not dist.main:  # rank 0 saves the student and compares it with its teacher; nothing is left to share
+    if not dist.main:  # rank 0 saves the student and compares it with its teacher, then joins here
+        common.close_distributed(dist)
         return {}
 
     # -- final student, comparison -----------------------------------------------
@@ -508,6 +509,7 @@ def main(cfg: Config) -> dict:
     common.atomic_write_text(run.dir / "distill.json", json.dumps(common.jsonable(report, nonfinite="null"),
                                                                    indent=1, allow_nan=False) + "\n")
     run.finish()
+    common.close_distributed(dist)
     return report
 
 

@@ -697,24 +697,24 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             common.save_checkpoint(run.dir, step, model, opt, sched, state={"scorer": scorer.state_dict()},
                                    generators={"sample": gen}, keep=cfg.keep_checkpoints, dist=dist)
 
-    if not dist.main:  # rank 0 evaluates and saves final/; no collective is left
-        run.finish()
-        return {"history": history, "eval": {}, "step": step}
-    if eval_docs:
-        last_eval = evaluate()
     final = run.dir / "final"
-    if cfg.eval.keep_best and best_json.exists():
-        best = json.loads(best_json.read_text())
-        with common.atomic_dir(final) as tmp:
-            shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
-        print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best evaluated)")
-    else:
-        common.save_final(model, tok, final)
+    if dist.main:  # rank 0 evaluates and saves final/; the other ranks wait in close_distributed
+        if eval_docs:
+            last_eval = evaluate()
+        if cfg.eval.keep_best and best_json.exists():
+            best = json.loads(best_json.read_text())
+            with common.atomic_dir(final) as tmp:
+                shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
+            print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best "
+                  "evaluated)")
+        else:
+            common.save_final(model, tok, final)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
               f"{last['pass']:.3f} (training batches); model saved to {final}")
     run.finish()
+    common.close_distributed(dist)
     return {"history": history, "eval": last_eval, "step": step}
 
 

@@ -718,11 +718,12 @@ def main(cfg: Config) -> dict:
         print(f"leak guard: {len(stream.skipped)} generated documents near-duplicate a held-out one and were skipped")
     common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                            keep=cfg.keep_checkpoints, dist=dist)
-    if dist.main:  # the other ranks are done: no collective is left
+    if dist.main:  # the other ranks wait in close_distributed
         final = common.save_final(model, tok, run.dir / "final")
         history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
         print(f"model saved to {final}")
     run.finish()
+    common.close_distributed(dist)
     return history
 
 
