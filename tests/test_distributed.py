@@ -342,7 +342,8 @@ LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
     # accelerate's multi-GPU launcher is torchrun's; it starts CPU processes as well
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(_free_port())],  # not its fixed default, 29500
 }
 
 
