@@ -985,12 +985,18 @@ class ApiError(RuntimeError):
     pass
 
 
-def token_count(value) -> int:
-    """A usage field as an int (0 when a server sends none, or junk)."""
-    try:
-        return max(0, int(value or 0))
-    except (TypeError, ValueError):
-        return 0
+def usage_tokens(response: dict) -> tuple[int, int]:
+    """(prompt, completion) tokens of an API response's `usage`, each 0 when the server
+    sends none, or junk."""
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+
+    def count(value) -> int:
+        try:
+            return max(0, int(value or 0))
+        except (TypeError, ValueError):
+            return 0
+
+    return count(usage.get("prompt_tokens")), count(usage.get("completion_tokens"))
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -1070,9 +1076,9 @@ class ApiClient:
                 raise ApiError(f"{self.base + path}: response is a JSON {type(out).__name__}, not an object")
             with self._lock:
                 self.usage["requests"] += 1
-                u = out.get("usage") if isinstance(out.get("usage"), dict) else {}
-                self.usage["prompt_tokens"] += token_count(u.get("prompt_tokens"))
-                self.usage["completion_tokens"] += token_count(u.get("completion_tokens"))
+                pt, ct = usage_tokens(out)
+                self.usage["prompt_tokens"] += pt
+                self.usage["completion_tokens"] += ct
             return out
         raise ApiError(f"{self.base + path}: gave up after {self.retries + 1} attempts ({last})")
 

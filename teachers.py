@@ -240,8 +240,7 @@ class ApiTeacher(Teacher):
                 out = self.client.post("/chat/completions", body)
             except rollout.ApiError as e:  # gave up after retries, a 4xx, junk: nothing to cache
                 return self._count(Reply(None, f"api: {e}"))
-            usage = out.get("usage") if isinstance(out.get("usage"), dict) else {}
-            pt, ct = rollout.token_count(usage.get("prompt_tokens")), rollout.token_count(usage.get("completion_tokens"))
+            pt, ct = rollout.usage_tokens(out)
             rec = {"request": body, "base": self.cfg.api_base, "response": out, "prompt_tokens": pt,
                    "completion_tokens": ct, "cost_usd": price_usd(self.cfg.prices_per_mtok, self.cfg.api_model, pt, ct),
                    "time": time.time()}
