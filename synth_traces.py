@@ -696,8 +696,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             main(cfg)
             return 0
         # --shards N: the N shards at once on this machine, then their merge into out_path
-        traces.run_shards(__file__, argv, n, gpus)
-        res = merge(cfg.out_path, [shard_path(cfg.out_path, i, n) for i in range(n)])
+        res, _ = traces.run_shards(__file__, argv, n, gpus, cfg.out_path)
         print(f"merge: {res['traces']} traces from {n} shards -> {cfg.out_path}")
     except (settings.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)

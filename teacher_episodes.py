@@ -154,9 +154,8 @@ def done_path(out: str | Path) -> Path:
 def run_shards(cfg: Config, argv: list[str], n: int, gpus: int) -> dict:
     """`--shards N`: the N shards at once on this machine, then their merge into `out`
     (complete once every shard is)."""
-    traces.run_shards(__file__, argv, n, gpus)
-    parts = [traces.shard_path(cfg.out, i, n) for i in range(n)]
-    res = traces.merge(cfg.out, parts, key=lambda rec: rec.get("doc_id"), what="teacher episode")
+    res, parts = traces.run_shards(__file__, argv, n, gpus, cfg.out, key=lambda rec: rec.get("doc_id"),
+                                   what="teacher episode")
     print(f"teacher: {res['traces']} episodes from {n} shards -> {cfg.out}")
     if all(done_path(p).exists() for p in parts):
         common.atomic_write_text(str(done_path(cfg.out)), json.dumps({"covered": res["traces"], "shards": n}) + "\n")

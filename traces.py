@@ -178,54 +178,59 @@ def merge(out: str, inputs: Sequence[str], key=trace_id, what: str = "trace") ->
 # ---------------------------------------------------------------------------
 
 
+def _flags(argv: Sequence[str], flags: Sequence[str]):
+    """argv's items in order, each as (flag, value) when it is one of `flags` (`--f v`
+    or `--f=v`), else (None, the item)."""
+    it = iter(argv)
+    for a in it:
+        flag = next((f for f in flags if a == f or a.startswith(f + "=")), None)
+        if flag is None:
+            yield None, a
+            continue
+        value = next(it, None) if a == flag else a.split("=", 1)[1]
+        if value is None:
+            raise settings.ConfigError(f"{flag} needs a value")
+        yield flag, value
+
+
 def pop_shards(argv: Sequence[str]) -> tuple[list[str], int, int]:
     """(argv without them, N, G) from `--shards N` and `--gpus G` (or `--shards=N`): N
     shard processes at once, shard i on GPU i mod G alone (G = 0: no GPU is assigned)."""
-    out, found, it = [], {"--shards": 1, "--gpus": 0}, iter(argv)
-    for a in it:
-        flag = next((f for f in found if a == f or a.startswith(f + "=")), None)
+    out, found = [], {"--shards": 1, "--gpus": 0}
+    for flag, value in _flags(argv, tuple(found)):
         if flag is None:
-            out.append(a)
-            continue
-        value = next(it, None) if a == flag else a.split("=", 1)[1]
-        if value is None or not value.isdigit():
+            out.append(value)
+        elif not value.isdigit():
             raise settings.ConfigError(f"{flag} needs a whole number, got {value!r}")
-        found[flag] = int(value)
+        else:
+            found[flag] = int(value)
     if found["--shards"] < 1:
         raise settings.ConfigError("--shards must be >= 1")
     return out, found["--shards"], found["--gpus"]
 
 
-def run_shards(script: str, argv: Sequence[str], n: int, gpus: int = 0, cwd: str | None = None) -> None:
-    """Run `python script ARGV --shard i/n` for every i < n at once and wait for all of
-    them. With `gpus`, shard i sees GPU i mod gpus alone (CUDA_VISIBLE_DEVICES). A
-    failed shard keeps what it wrote (a rerun resumes it) and is named with its
-    command; the others run to their end."""
+def run_shards(script: str, argv: Sequence[str], n: int, gpus: int, out: str, key=trace_id,
+               what: str = "trace") -> tuple[dict, list[str]]:
+    """Run `python script ARGV --shard i/n` for every i < n at once, wait for all of them,
+    and merge their files into `out` (`merge`, by `key`); returns (the merge's figures,
+    the shard files). With `gpus`, shard i sees GPU i mod gpus alone
+    (CUDA_VISIBLE_DEVICES). A failed shard keeps what it wrote (a rerun resumes it) and
+    is named with its command; the others run to their end, and nothing is merged."""
     import subprocess
 
     procs = []
     for i in range(n):
         env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else {}))
         cmd = [sys.executable, script, *argv, "--shard", f"{i}/{n}"]
-        procs.append((cmd, subprocess.Popen(cmd, env=env, cwd=cwd)))
+        procs.append((cmd, subprocess.Popen(cmd, env=env)))
     failed = [(cmd, rc) for cmd, p in procs if (rc := p.wait()) != 0]
     if failed:
         raise SystemExit("shards failed (a rerun resumes each):\n" + "\n".join(
             f"  exit {rc}: python {' '.join(cmd[1:])}" for cmd, rc in failed))
+    parts = [shard_path(out, i, n) for i in range(n)]
+    return merge(out, parts, key, what), parts
 
 
 def flags_to_keys(argv: Sequence[str]) -> list[str]:
     """`--shard i/n` and `--limit N` (or `--shard=i/n`) as the config keys they are: `shard=i/n`, `limit=N`."""
-    out, it = [], iter(argv)
-    for a in it:
-        flag = next((f for f in ("--shard", "--limit") if a == f or a.startswith(f + "=")), None)
-        if flag is None:
-            out.append(a)
-        elif a == flag:
-            value = next(it, None)
-            if value is None:
-                raise settings.ConfigError(f"{flag} needs a value")
-            out.append(f"{flag[2:]}={value}")
-        else:
-            out.append(a[2:])
-    return out
+    return [v if f is None else f"{f[2:]}={v}" for f, v in _flags(argv, ("--shard", "--limit"))]
