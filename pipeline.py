@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> dict:
         server.shutdown()
     for stage in failed:
         print(f"pipeline: {stage.label} failed; its student is left out of the table (rerun it alone with "
-              f"`python {' '.join(stage.argv)}`, then `python pipeline.py` again)")
+              f"`{' '.join([*launcher(stage, args.nproc), *stage.argv])}`, then `python pipeline.py` again)")
     chain = CHAINS.get(args.profile)
     if chain is None:
         report = work / "runs/eval_cnn/report.md"
