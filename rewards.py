@@ -1,7 +1,8 @@
 """Rewards: the rule bundle, the factuality backends, tool terms, the combined reward
 and its curriculum (DESIGN.md section 5).
 
-    R = gate * (w_f * F + w_r * Rules + w_pass * pass) - budget - cap_penalty + w_match * ToolMatch
+    R = gate * (w_f * F + w_r * Rules + w_pass * pass) - budget - cap_penalty
+        - right_delete_penalty * right_deletes + w_match * ToolMatch
     pass = F >= tau and every rule reaches its threshold
     gate = length score * repetition score, 0 for a summary that states nothing
 
@@ -124,6 +125,10 @@ class ToolTermsConfig:
     tool_cap_penalty: float = 0.5  # subtracted when the episode hit the tool-call cap
     w_match: float = 0.0  # weight of ToolMatch against a teacher episode (drgrpo_v19 sets it)
     match_kind_weight: float = 0.5  # share of a step's agreement given for calling the same tool
+    # subtracted per delete that retracted text the factuality backend finds nothing wrong in
+    # (`right_deletes`): deleting a right sentence then costs more than the call. A penalty only:
+    # a bonus for deleting wrong text would pay the policy for writing it first
+    right_delete_penalty: float = 0.0
 
 
 @dataclass
@@ -571,6 +576,22 @@ def _unsupported(document: str, retracted: str) -> float:
     return 1.0 - min(lexical_factuality(document, retracted), support_factuality(document, retracted))
 
 
+def right_deletes(document: Any, episode: Any, factuality: str) -> int:
+    """How many deletes of `episode` retracted text with nothing wrong in it: by the
+    news world's oracle (no error in it) under the "oracle" backend, else by the
+    model-free check of `_unsupported` (less than half unsupported). Text that states
+    nothing has nothing wrong in it: deleting it removes no error either."""
+    if not isinstance(episode, sandbox.Episode):
+        return 0
+    gone = [c.deleted for c in episode.calls if c.kind == "delete" and c.valid and c.deleted]
+    if factuality == "oracle" and hasattr(document, "facts"):
+        import oracle  # the news world's fact checker; imported only for this backend
+
+        return sum(not oracle.oracle_errors(document, t) for t in gone)
+    text = _text_of(document)
+    return sum(_unsupported(text, t) < 0.5 for t in gone)
+
+
 def call_agreement(call: sandbox.Call, teacher: sandbox.Call, kind_weight: float = 0.5,
                    document: str | None = None) -> float:
     """Agreement of one policy call with one teacher call, in [0, 1]: `kind_weight`
@@ -776,6 +797,7 @@ class Scorer:
             passed = rules_pass(scores, cfg.rules)
             rmean = rules_mean(scores, cfg.rules)
             budget, cap = tool_terms(s.episode, cfg.tools)
+            n_right_del = right_deletes(doc, s.episode, cfg.factuality)
             match, steps = None, []
             t_ep = teacher.get(_doc_id(doc, ep)) if teacher else None
             if t_ep is not None and s.episode is not None:
@@ -783,14 +805,14 @@ class Scorer:
             ok = f >= tau and all(passed.values())
             g = content_gate(s, scores) if cfg.gate else 1.0
             total = (g * (cfg.w_factuality * f + cfg.w_rules * rmean + cfg.w_pass * ok) - budget - cap
-                     + cfg.tools.w_match * (match or 0.0))
+                     - cfg.tools.right_delete_penalty * n_right_del + cfg.tools.w_match * (match or 0.0))
             row = {"total": total, "pass": ok, "tau": tau, "gate": g,
                    "factuality": f, "factuality_backend": BACKEND_NAMES[cfg.factuality],
                    "factuality_pass": f >= tau, "rules": rmean, "rules_pass": all(passed.values())}
             for k in RULES:
                 row[f"rule_{k}"] = scores[k]
                 row[f"rule_{k}_pass"] = passed[k]
-            row.update({"budget": budget, "cap_penalty": cap, "tool_match": match, "tool_match_steps": steps,
+            row.update({"budget": budget, "cap_penalty": cap, "right_deletes": n_right_del, "tool_match": match, "tool_match_steps": steps,
                         "n_search": s.episode.n_search if s.episode else 0,
                         "n_delete": s.episode.n_delete if s.episode else 0, "n_words": s.n_words,
                         "claims": claim_scores, "evidence": {k: r.evidence for k, r in rules.items()}})

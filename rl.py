@@ -184,8 +184,8 @@ def episode_figures(ep: sandbox.Episode, result: dict) -> dict:
     """What a step's log needs of one rollout, small enough to gather from every rank:
     its reward terms, tool use, generated tokens and the sampler's log-probs summed."""
     known = [x for t in ep.turns for x in (t.logprobs or []) if not math.isnan(x)]
-    return {**{k: result[k] for k in ("total", "pass", "factuality", "rules", "budget", "cap_penalty", "tool_match")
-               if k in result},
+    terms = ("total", "pass", "factuality", "rules", "budget", "cap_penalty", "tool_match", "right_deletes")
+    return {**{k: result[k] for k in terms if k in result},
             "n_search": ep.n_search, "n_delete": ep.n_delete, "valid": bool(ep.valid),
             "tokens": sum(len(t.ids) for t in ep.turns), "nll": -sum(known), "n_lp": len(known)}
 
@@ -675,7 +675,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
             "tau": scorer.curriculum.tau,
             **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
                 ("fact", "factuality"), ("rules", "rules"), ("budget", "budget"), ("cap", "cap_penalty"),
-                ("match", "tool_match"))},
+                ("match", "tool_match"), ("right_del", "right_deletes"))},
             "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
             # entropy: estimated as the mean negative log-prob of the sampled tokens
             "entropy": sum(f["nll"] for f in step_eps) / n_lp if n_lp else math.nan,

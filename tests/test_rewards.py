@@ -561,6 +561,48 @@ def test_budget_and_cap_penalties():
     assert R.tool_terms("a bare summary", cfg) == (0.0, 0.0)
 
 
+def _retraction(doc, retracted: str, kept: str) -> sandbox.Episode:
+    return sandbox.replay(doc.text, retracted + '<delete scope="sentence"/>' + kept)
+
+
+@pytest.mark.parametrize("backend", ["oracle", "lexical", "support"])
+def test_a_delete_of_a_right_sentence_costs_the_right_delete_penalty_and_of_a_wrong_one_nothing(backend):
+    doc = next(iter(newsworld.documents(1, seed=0)))
+    right = textsplit.split_sentences(doc.summary)[0]
+    fact = oracle.stated_facts(doc, right)[0]
+    wrong = right.replace(fact["text"], "Zorblax Industries" if fact["kind"] == "name" else "987654")
+    assert oracle.oracle_errors(doc, wrong) and not oracle.oracle_errors(doc, right)
+    cfg = R.RewardConfig(factuality=backend)
+    cfg.tools.right_delete_penalty = 0.3
+    bare, fixed, ritual = R.score_batch([(doc, right), (doc, _retraction(doc, wrong, right)),
+                                        (doc, _retraction(doc, right, right))], cfg)
+    assert (bare["right_deletes"], fixed["right_deletes"], ritual["right_deletes"]) == (0, 0, 1)
+    budget = cfg.tools.budget_per_call
+    assert fixed["total"] == pytest.approx(bare["total"] - budget)  # the same summary, one call
+    assert ritual["total"] == pytest.approx(bare["total"] - budget - 0.3)
+    # off (the default): counted for the log, never charged
+    off = R.score_batch([(doc, _retraction(doc, right, right))], R.RewardConfig(factuality=backend))[0]
+    assert off["right_deletes"] == 1 and off["total"] == pytest.approx(bare["total"] - budget)
+
+
+def test_the_right_delete_penalty_only_ever_lowers_a_reward():
+    # a bonus for deleting wrong text would pay for writing it first: the term is a penalty only
+    doc = next(iter(newsworld.documents(1, seed=0)))
+    sents = textsplit.split_sentences(doc.summary)
+    rng = random.Random(0)
+    texts = []
+    for _ in range(30):
+        parts = [rng.choice(sents + ["Zorblax Industries lost 987654 games.", "It was a day."])
+                 + rng.choice(["", '<delete scope="sentence"/>', "<search>/day/</search>"]) for _ in range(4)]
+        texts.append(" ".join(parts))
+    on, off = R.RewardConfig(factuality="oracle"), R.RewardConfig(factuality="oracle")
+    on.tools.right_delete_penalty = 0.5
+    eps = [sandbox.replay(doc.text, t) for t in texts]
+    for a, b in zip(R.score_batch([(doc, e) for e in eps], on), R.score_batch([(doc, e) for e in eps], off)):
+        assert a["total"] == pytest.approx(b["total"] - 0.5 * a["right_deletes"])
+    assert any(r["right_deletes"] for r in R.score_batch([(doc, e) for e in eps], on))
+
+
 # ---------------------------------------------------------------------------
 # Curriculum
 
@@ -615,8 +657,8 @@ def test_scorer_state_holds_the_curriculum():
 # The combined reward and the batch API
 
 KEYS = ["total", "pass", "tau", "gate", "factuality", "factuality_backend", "factuality_pass", "rules", "rules_pass",
-        *[f"rule_{k}{p}" for k in R.RULES for p in ("", "_pass")], "budget", "cap_penalty", "tool_match",
-        "tool_match_steps", "n_search", "n_delete", "n_words", "claims", "evidence"]
+        *[f"rule_{k}{p}" for k in R.RULES for p in ("", "_pass")], "budget", "cap_penalty", "right_deletes",
+        "tool_match", "tool_match_steps", "n_search", "n_delete", "n_words", "claims", "evidence"]
 
 
 def test_score_has_every_component_and_the_documented_total():

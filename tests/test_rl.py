@@ -718,3 +718,16 @@ def test_retracted_tokens_can_be_left_out_of_the_positive_credit():
     assert (got[mask] == 0).all() and (got[~mask] == 0.5).all()
     assert torch.equal(rl.apply_retracted_credit(neg, mask, "negative"), neg)
     assert (rl.apply_retracted_credit(neg, mask, "none")[mask] == 0).all()
+
+
+def test_a_step_logs_how_many_right_sentences_its_rollouts_deleted():
+    import rewards
+    import sandbox
+
+    doc = next(iter(newsworld.documents(1, seed=0)))
+    right = doc.summary.split(". ")[0] + "."
+    ep = sandbox.replay(doc.text, right + '<delete scope="sentence"/>' + right)
+    for t in ep.turns:
+        t.ids = [0] * len(t.text)
+    result = rewards.score_batch([(doc, ep)], rewards.RewardConfig(factuality="oracle"))[0]
+    assert rl.episode_figures(ep, result)["right_deletes"] == 1
