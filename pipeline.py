@@ -464,12 +464,14 @@ def _cell(x, fmt: str) -> str:
 
 
 def _seed_cell(xs: list, fmt: str) -> str:
-    """One seed's figure, or the mean over seeds with its min-max."""
-    xs = [x for x in xs if not _missing(x)]
+    """One seed's figure, or the mean over seeds with its min-max; a figure that only
+    some seeds measured (evidence use needs a rewrite) says how many."""
+    n, xs = len(xs), [x for x in xs if not _missing(x)]
+    some = f"{len(xs)} of {n} seeds" if 0 < len(xs) < n else ""
     if len(xs) <= 1:
-        return _cell(xs[0] if xs else None, fmt)
+        return _cell(xs[0] if xs else None, fmt) + (f" ({some})" if some else "")
     lo, hi = (_cell(min(xs), fmt), _cell(max(xs), fmt))
-    return f"{_cell(statistics.fmean(xs), fmt)} ({lo}-{hi})"
+    return f"{_cell(statistics.fmean(xs), fmt)} ({lo}-{hi}{'; ' + some if some else ''})"
 
 
 def mean_metrics(per_seed: list[dict]) -> dict:

@@ -168,6 +168,20 @@ def test_the_table_shows_each_figure_over_seeds_with_its_spread():
     assert speed is True  # 301 / 90 = 3.3x, factuality 0.6 - 0.59 = 1 point
 
 
+def test_a_figure_measured_by_only_some_seeds_says_how_many():
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics()}
+    for s in range(3):
+        models[c.sft(s)] = _metrics()
+        models[c.rl(s)] = _metrics(evidence_use=0.97 if s == 0 else float("nan"))  # no rewrite: nothing to measure
+    md, _ = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    rl_row = next(line for line in md.splitlines() if line.startswith("| Dr. GRPO |"))
+    assert "97.0% (1 of 3 seeds)" in rl_row
+    assert pipeline._seed_cell([0.5, None, 0.7], "pct") == "60.0% (50.0%-70.0%; 2 of 3 seeds)"
+    assert pipeline._seed_cell([0.5, 0.7], "pct") == "60.0% (50.0%-70.0%)"
+    assert pipeline._seed_cell([None, None], "pct") == pipeline._cell(None, "pct")
+
+
 def test_stage_names_and_overrides_are_checked(tmp_path):
     with pytest.raises(SystemExit, match="unknown stage"):
         pipeline.main(["--only", "sfft", "--workdir", str(tmp_path)])
