@@ -177,6 +177,7 @@ def test_a_figure_measured_by_only_some_seeds_says_how_many():
     md, _ = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
     rl_row = next(line for line in md.splitlines() if line.startswith("| Dr. GRPO |"))
     assert "97.0% (1 of 3 seeds)" in rl_row
+    assert "| evidence use >= 90% after Dr. GRPO | 97.0% (1 of 3 seeds) | met |" in md
     assert pipeline._seed_cell([0.5, None, 0.7], "pct") == "60.0% (50.0%-70.0%; 2 of 3 seeds)"
     assert pipeline._seed_cell([0.5, 0.7], "pct") == "60.0% (50.0%-70.0%)"
     assert pipeline._seed_cell([None, None], "pct") == pipeline._cell(None, "pct")
