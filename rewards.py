@@ -812,7 +812,8 @@ class Scorer:
             for k in RULES:
                 row[f"rule_{k}"] = scores[k]
                 row[f"rule_{k}_pass"] = passed[k]
-            row.update({"budget": budget, "cap_penalty": cap, "right_deletes": n_right_del, "tool_match": match, "tool_match_steps": steps,
+            row.update({"budget": budget, "cap_penalty": cap, "right_deletes": n_right_del,
+                        "tool_match": match, "tool_match_steps": steps,
                         "n_search": s.episode.n_search if s.episode else 0,
                         "n_delete": s.episode.n_delete if s.episode else 0, "n_words": s.n_words,
                         "claims": claim_scores, "evidence": {k: r.evidence for k, r in rules.items()}})
