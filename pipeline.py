@@ -178,10 +178,33 @@ def chain_stages(c: Chain, seeds: int, cfg: dict[str, str], base: list[Stage]) -
                   f"{c.run('distill', s)}/distill.json", checkpoints=True, seed=s, optional=True),
             Stage("eval", ["eval.py", "--config", cfg["eval"], *seeded(s, f"name=eval_{c.name}{x}"), "--compare",
                            *evals], f"{c.run('eval', s)}/eval.json", seed=s),
-            Stage("eval_full", ["eval.py", "--config", cfg["eval"], f"name=eval_{c.name}{x}_full", *seeded(s),
-                                "--compare", c.nomask(s), *[c.ablation(n, s) for n in c.ablations]],
-                  f"{c.run('eval', s)}_full/eval.json", full_only=True, seed=s),
+            *full_evals(c, s, cfg["eval"]),
         ]
+    return stages
+
+
+def ablation_tools(run_name: str) -> str:
+    """The eval.py `tools` an ablation is measured with: the tool its RL run was trained
+    without is banned at decode time too (rl_smollm_no_delete -> no_delete); any other
+    run keeps every tool."""
+    return next((t for t in ("no_delete", "no_search") if run_name.endswith(t)), "all")
+
+
+def full_evals(c: Chain, seed: int, config: str) -> list[Stage]:
+    """--full's evaluations of seed `seed`: SFT without masking and the ablations, one
+    eval.py call per decode-time tool setting (eval_full: every tool; eval_full_no_delete,
+    eval_full_no_search: the ablations trained without that tool)."""
+    by_tools: dict[str, list[str]] = {"all": [c.nomask(seed)]}
+    for n in c.ablations:
+        by_tools.setdefault(ablation_tools(n), []).append(c.ablation(n, seed))
+    stages = []
+    for tools, models in by_tools.items():
+        tail = "" if tools == "all" else f"_{tools}"
+        run = f"{c.run('eval', seed)}_full{tail}"
+        stages.append(Stage(f"eval_full{tail}", ["eval.py", "--config", config, f"name={Path(run).name}",
+                                                 *seeded(seed), *([f"tools={tools}"] if tail else []),
+                                                 "--compare", *models],
+                            f"{run}/eval.json", full_only=True, seed=seed))
     return stages
 
 
@@ -588,7 +611,7 @@ def read_outputs(stages: list[Stage], work: Path) -> tuple[dict[str, dict], list
         path = work / st.output
         if not path.is_file():
             continue
-        if st.name in ("eval", "eval_full", "zero_shot"):
+        if st.output.endswith("eval.json"):
             ev = json.loads(path.read_text())
             first = first or ev
             models.update({m["model"]: m["metrics"] for m in ev.get("models", [])})
@@ -659,7 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:
         for stage in stages:
             if selected(stage, only, args.full):
-                print(f"{stage.label:14s} {' '.join(launcher(stage, args.nproc))} "
+                print(f"{stage.label:24s} {' '.join(launcher(stage, args.nproc))} "
                       f"{' '.join(with_overrides(stage, extra.get(stage.name, [])).argv)}")
         return {}
     work = Path(args.workdir or (f"out/smoke/{args.profile}" if args.smoke else ".")).resolve()

@@ -123,6 +123,34 @@ def test_full_table_compares_hallucinations_with_the_rules_only_run():
     assert "RL no delete" not in md and "SFT start" in next(k for k in fig["milestones"] if k.startswith("M1"))
 
 
+def test_an_ablation_that_takes_a_tool_away_is_evaluated_without_it(tmp_path):
+    """The no-delete and no-search RL runs are measured with that tool banned at decode
+    time (eval.py tools=...), as they were trained; the rest with every tool; the
+    headline reads every one of these evaluations."""
+    for profile, seeds in (("smollm", 3), ("tiny", 1)):
+        stages = [s for s in pipeline.profile_stages(profile, seeds) if s.full_only and s.argv[0] == "eval.py"]
+        seen = {}
+        for st in stages:
+            tools = next((a.split("=", 1)[1] for a in st.argv if a.startswith("tools=")), "all")
+            for model in st.argv[st.argv.index("--compare") + 1:]:
+                assert model not in seen, model
+                seen[model] = tools
+            assert st.output.endswith("eval.json")
+        assert len({st.output for st in stages}) == len(stages)  # each writes its own eval.json
+        for model, tools in seen.items():
+            want = "no_delete" if "_no_delete" in model else "no_search" if "_no_search" in model else "all"
+            assert tools == want, (model, tools)
+        assert sum("_nomask" in m for m in seen) == seeds and sum("rules_only" in m for m in seen) == seeds
+        assert {t for t in seen.values()} == {"all", "no_delete", "no_search"}
+        for st in stages:
+            out = tmp_path / profile / st.output
+            out.parent.mkdir(parents=True, exist_ok=True)
+            models = st.argv[st.argv.index("--compare") + 1:]
+            out.write_text(json.dumps(_eval_json({m: _metrics() for m in models})))
+        models, _, _ = pipeline.read_outputs(stages, tmp_path / profile)
+        assert set(models) == set(seen)
+
+
 def test_seeds_run_each_trained_stage_once_per_seed_with_its_own_outputs():
     one, three = pipeline.profile_stages("tiny", 1), pipeline.profile_stages("tiny", 3)
     assert [s.argv for s in three if s.seed in (None, 0)] == [s.argv for s in one]  # seed 0: the configs as they are
