@@ -611,7 +611,7 @@ def read_outputs(stages: list[Stage], work: Path) -> tuple[dict[str, dict], list
         path = work / st.output
         if not path.is_file():
             continue
-        if st.output.endswith("eval.json"):
+        if Path(st.output).name == "eval.json":
             ev = json.loads(path.read_text())
             first = first or ev
             models.update({m["model"]: m["metrics"] for m in ev.get("models", [])})
