@@ -71,10 +71,16 @@ class Config:
     seed: int = 0
     torch_threads: int = 0  # CPU threads for torch (0 = its default)
     autocast: common.Autocast = "auto"  # bf16 decoding where the hardware has it natively, per model (common.choose_autocast)
+    # A trace corpus (filter_traces.py's train.jsonl): also score each model's delete decision
+    # teacher-forced on its first `decision_traces` traces (decision_probe_*; see decision_probe)
+    decision_corpus: str = ""
+    decision_traces: int = 80
 
     def __post_init__(self):
         if min(self.n_docs, self.max_new_tokens, self.batch_size) < 1 or self.n_samples < 0:
             raise settings.ConfigError("n_docs, max_new_tokens and batch_size must be >= 1, n_samples >= 0")
+        if self.decision_traces < 1:
+            raise settings.ConfigError(f"decision_traces={self.decision_traces}: must be >= 1")
         if self.latency_docs < 0 or self.temperature <= 0:
             raise settings.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
 
@@ -478,13 +484,60 @@ def load_model(path: str, cfg: Config):
     return model, tok
 
 
-def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None) -> dict:
-    """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it."""
+def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None,
+                 traces: Sequence[sandbox.Episode] = ()) -> dict:
+    """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it;
+    with `traces`, its `decision_probe` on them too."""
     model, tok = load_model(path, cfg)
     dev = next(model.parameters()).device.type
     print(f"{path}: {common.choose_autocast(cfg.autocast, dev, common.hidden_size(model))[1]}")
     with common.autocast_for(cfg.autocast, model):
-        return evaluate(model, tok, documents, cfg, keep)
+        out = evaluate(model, tok, documents, cfg, keep)
+        return {**out, **decision_probe(model, tok, traces)} if traces else out
+
+
+DELETE_CALL = '<delete scope="sentence"/>'
+
+
+def decision_probe(model, tok, traces: Sequence[sandbox.Episode]) -> dict[str, float]:
+    """The delete decision teacher-forced on traces: after every search that another turn
+    follows, log P(DELETE_CALL) under the context the trace gives (its canonical
+    tokenisation, as SFT trains on it), and that score's AUC as a detector of the searches
+    the trace deletes after (in a filtered corpus, its wrong sentences). It isolates the
+    decision from the policy's own writing: near 0.5 here, the policy cannot tell a wrong
+    sentence from a right one even on the traces' own; high here and low in `tool_auc`,
+    it can but its rollouts do not act on it."""
+    call = sandbox.as_codec(tok).encode(DELETE_CALL)
+    dev = next(model.parameters()).device
+    wrong, right = [], []
+    with torch.no_grad():
+        for ep in tqdm(traces, desc="decision probe", unit="trace", leave=False):
+            te = ep.tokenized(tok)
+            for i, ctx in enumerate(te.contexts()[1:], 1):
+                searched, nxt = te.turns[i - 1].call, te.turns[i]
+                if searched is None or searched.kind != "search" or not searched.valid:
+                    continue
+                ids = torch.tensor([ctx + call], device=dev)
+                logp = torch.log_softmax(model(ids).logits[0, len(ctx) - 1:-1].float(), -1)
+                score = logp.gather(1, ids[0, len(ctx):, None]).sum().item()
+                deletes = nxt.call is not None and nxt.call.kind == "delete" and not nxt.text[:nxt.call.start].strip()
+                (wrong if deletes else right).append(score)
+    return {"decision_probe_auc": auc(wrong, right), "decision_probe_deletes": len(wrong),
+            "decision_probe_keeps": len(right), "decision_probe_after_wrong": common.mean(wrong),
+            "decision_probe_after_right": common.mean(right)}
+
+
+def load_decision_traces(cfg: Config) -> list[sandbox.Episode]:
+    """The first `decision_traces` traces of `decision_corpus` (none when it is unset)."""
+    if not cfg.decision_corpus:
+        return []
+    if not Path(cfg.decision_corpus).exists():
+        raise SystemExit(f"decision_corpus={cfg.decision_corpus}: no such file (a trace corpus, written by "
+                         "`python filter_traces.py --config configs/filter_smollm.yaml`: out/corpus/smollm/train.jsonl)")
+    try:
+        return sandbox.read_episodes(cfg.decision_corpus)[:cfg.decision_traces]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def load_eval_documents(cfg: Config) -> list:
@@ -517,6 +570,8 @@ def load_eval_documents(cfg: Config) -> list:
 # Report
 # ---------------------------------------------------------------------------
 
+PROBE = ["decision_probe_auc", "decision_probe_after_wrong", "decision_probe_after_right", "decision_probe_deletes",
+         "decision_probe_keeps"]
 TABLES = {
     "Quality": ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "total", "hallucination_rate",
                 "errors_per_summary"],
@@ -604,7 +659,9 @@ def write_report(run_dir, results: dict[str, dict], cfg: Config, curves_from: li
              f"Factuality backend: {backend}; tau {fmt(first.get('tau', math.nan))}. "
              f"Hallucination counted by: {hallucination_source(cfg, first)}.", ""]
     rules = sorted({k for m in results.values() for k in m if k.startswith("rule_") and k.endswith("_pass")})
-    for title, keys in [*TABLES.items(), ("Rules (pass rate)", rules)]:
+    probe = [(f"Delete decision, teacher-forced on {cfg.decision_traces} traces of {cfg.decision_corpus}", PROBE)
+             if any("decision_probe_auc" in m for m in results.values()) else ()]
+    for title, keys in [*TABLES.items(), ("Rules (pass rate)", rules), *filter(None, probe)]:
         lines += [f"## {title}", "", table(results, keys), ""]
     _plot_bars(results, run_dir / "metrics.png")
     lines += ["![metrics per model](metrics.png)", ""]
@@ -664,6 +721,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         if not Path(p).is_dir():
             raise SystemExit(missing_model_hint(p))
     docs = load_eval_documents(cfg)
+    traces = load_decision_traces(cfg)
     run = common.start_run(cfg)
     common.setup_compute(cfg.torch_threads, cfg.autocast, common.device())
     if cfg.pool != "eval":
@@ -677,10 +735,10 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         common.seed_everything(cfg.seed)
         t0 = time.perf_counter()
         kept[p] = []
-        results[p] = m = evaluate_dir(p, docs, cfg, kept[p])
+        results[p] = m = evaluate_dir(p, docs, cfg, kept[p], traces)
         print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in ("rouge1", "factuality", "fact_precision", "pass",
                                                                      "hallucination_rate", "valid_call_rate",
-                                                                     "latency_p50_ms") if k in m)
+                                                                     "decision_probe_auc", "latency_p50_ms") if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")
     curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
     common.atomic_write_text(run.dir / "eval.json", json.dumps(common.jsonable({

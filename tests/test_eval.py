@@ -177,6 +177,56 @@ def test_auc_equals_the_pairwise_count():
 
 
 # ---------------------------------------------------------------------------
+# The delete decision, teacher-forced on traces
+# ---------------------------------------------------------------------------
+
+WRONG_TRACE = ('Acme reported revenue of $5 billion.<search>/revenue of/</search><delete scope="sentence"/>'
+               ' Acme reported revenue of $4.2 billion.')
+RIGHT_TRACE = 'Acme reported revenue of $4.2 billion.<search>/revenue of/</search> Shares fell 3.5% in New York.'
+
+
+def _delete_logprob(model, ep) -> float:
+    """log P(the delete call) right after the first search's results, one forward on its own."""
+    ctx = ep.tokenized(TOK).contexts()[1]
+    call = S.as_codec(TOK).encode(E.DELETE_CALL)
+    ids = torch.tensor([ctx + call])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return sum(lp[len(ctx) - 1 + k, c].item() for k, c in enumerate(call))
+
+
+def test_decision_probe_scores_the_delete_call_after_each_search_under_the_traces_context():
+    model = tiny_llama(TOK, seed=0).eval()
+    eps = [S.replay(DOC, t) for t in (WRONG_TRACE, RIGHT_TRACE, "Shares fell 3.5% in New York.")]
+    got = E.decision_probe(model, TOK, eps)
+    assert (got["decision_probe_deletes"], got["decision_probe_keeps"]) == (1, 1)  # no search, no decision
+    wrong, right = _delete_logprob(model, eps[0]), _delete_logprob(model, eps[1])
+    assert got["decision_probe_after_wrong"] == pytest.approx(wrong, abs=1e-4)
+    assert got["decision_probe_after_right"] == pytest.approx(right, abs=1e-4)
+    assert wrong != right and got["decision_probe_auc"] == (1.0 if wrong > right else 0.0)
+
+
+def test_decision_probe_in_eval_needs_the_corpus_and_reports_it(world, tmp_path):
+    root, _ = world
+    corpus = tmp_path / "train.jsonl"
+    corpus.write_text("".join(S.replay(DOC, t).to_json() + "\n" for t in (WRONG_TRACE, RIGHT_TRACE) * 2))
+    base = ["--config", str(root / "eval.yaml"), "n_samples=0", "latency_docs=0"]
+    cfg = settings.load_config(E.Config, [*base, "name=probe", f"decision_corpus={corpus}", "decision_traces=3"])
+    E.main(cfg)
+    m = json.loads((root / "runs" / "probe" / "eval.json").read_text())["models"][0]["metrics"]
+    assert (m["decision_probe_deletes"], m["decision_probe_keeps"]) == (2, 1)  # the first 3 traces
+    assert "decision_probe_auc" in (root / "runs" / "probe" / "report.md").read_text()
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(SystemExit, match="decision_corpus=" + re.escape(str(missing)) + ".*filter_traces.py"):
+        E.main(settings.load_config(E.Config, [*base, f"decision_corpus={missing}"]))
+    corpus.write_text(corpus.read_text() + "{not json\n")
+    with pytest.raises(SystemExit, match=re.escape(str(corpus)) + ":5"):
+        E.main(settings.load_config(E.Config, [*base, f"decision_corpus={corpus}"]))
+    with pytest.raises(settings.ConfigError, match="decision_traces"):
+        E.Config(decision_traces=0)
+
+
+# ---------------------------------------------------------------------------
 # The tag ban
 # ---------------------------------------------------------------------------
 
