@@ -659,9 +659,11 @@ def write_report(run_dir, results: dict[str, dict], cfg: Config, curves_from: li
              f"Factuality backend: {backend}; tau {fmt(first.get('tau', math.nan))}. "
              f"Hallucination counted by: {hallucination_source(cfg, first)}.", ""]
     rules = sorted({k for m in results.values() for k in m if k.startswith("rule_") and k.endswith("_pass")})
-    probe = [(f"Delete decision, teacher-forced on {cfg.decision_traces} traces of {cfg.decision_corpus}", PROBE)
-             if any("decision_probe_auc" in m for m in results.values()) else ()]
-    for title, keys in [*TABLES.items(), ("Rules (pass rate)", rules), *filter(None, probe)]:
+    tables = [*TABLES.items(), ("Rules (pass rate)", rules)]
+    if any("decision_probe_auc" in m for m in results.values()):
+        tables.append((f"Delete decision, teacher-forced on {cfg.decision_traces} traces of {cfg.decision_corpus}",
+                       PROBE))
+    for title, keys in tables:
         lines += [f"## {title}", "", table(results, keys), ""]
     _plot_bars(results, run_dir / "metrics.png")
     lines += ["![metrics per model](metrics.png)", ""]
