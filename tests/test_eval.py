@@ -188,6 +188,7 @@ RIGHT_TRACE = 'Acme reported revenue of $4.2 billion.<search>/revenue of/</searc
 def _delete_logprob(model, ep) -> float:
     """log P(the delete call) right after the first search's results, one forward on its own."""
     ctx = ep.tokenized(TOK).contexts()[1]
+    assert TOK.decode(ctx).endswith("</results>")  # the decision comes right after the search's results
     call = S.as_codec(TOK).encode(E.DELETE_CALL)
     ids = torch.tensor([ctx + call])
     with torch.no_grad():
