@@ -513,9 +513,8 @@ def decision_probe(model, tok, traces: Sequence[sandbox.Episode]) -> dict[str, f
     with torch.no_grad():
         for ep in tqdm(traces, desc="decision probe", unit="trace", leave=False):
             te = ep.tokenized(tok)
-            for i, ctx in enumerate(te.contexts()[1:], 1):
-                searched, nxt = te.turns[i - 1].call, te.turns[i]
-                if searched is None or searched.kind != "search" or not searched.valid:
+            for ctx, nxt, decides in zip(te.contexts(), te.turns, sandbox.decision_turns(te)):
+                if not decides:
                     continue
                 ids = torch.tensor([ctx + call], device=dev)
                 logp = torch.log_softmax(model(ids).logits[0, len(ctx) - 1:-1].float(), -1)

@@ -884,6 +884,17 @@ class _EpisodeList(list):
     skipped = 0
 
 
+def decision_turns(ep: Episode) -> list[bool]:
+    """Per turn, whether its first id is a decision: the turn right after a search
+    that was answered (delete, or write on). SFT weighs these ids (`decision_weight`);
+    eval's decision probe scores them."""
+    out, prev = [], None
+    for t in ep.turns:
+        out.append(prev is not None and prev.call is not None and prev.call.kind == "search" and prev.call.valid)
+        prev = t
+    return out
+
+
 def tool_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     """Tool use of a set of episodes: call validity (syntax), episode validity,
     searches and deletes per episode, and errors the sandbox answered."""

@@ -201,16 +201,6 @@ def rewrite_lengths(ep: sandbox.Episode, tokenizer) -> list[int]:
     return out
 
 
-def decision_turns(ep: sandbox.Episode) -> list[bool]:
-    """Per turn, whether its first id is a decision: the turn right after a search
-    that was answered (delete, or write on)."""
-    out, prev = [], None
-    for t in ep.turns:
-        out.append(prev is not None and prev.call is not None and prev.call.kind == "search" and prev.call.valid)
-        prev = t
-    return out
-
-
 def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384, mask_retracted: bool = False,
                   method: str = "tree", rewrite_weight: float = 1.0, tokenizer=None,
                   decision_weight: float = 1.0) -> torch.Tensor:
@@ -222,14 +212,14 @@ def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384,
     w != 1 (needs the `tokenizer`), the ids of each sentence written in place of
     a deleted one (`rewrite_lengths`) count w times; the divisor stays `n_tokens`,
     so every other id's gradient is unchanged. With `decision_weight` d != 1, the
-    first id after each answered search (`decision_turns`) counts d times, masked or not."""
+    first id after each answered search (`sandbox.decision_turns`) counts d times, masked or not."""
     if rewrite_weight != 1.0 and tokenizer is None:
         raise ValueError("rewrite_weight needs the tokenizer (to find the rewritten sentence's ids)")
     lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
     total = 0.0
     for ep, per_turn in zip(episodes, lps):
         lens = rewrite_lengths(ep, tokenizer) if rewrite_weight != 1.0 else [0] * len(ep.turns)
-        decides = decision_turns(ep) if decision_weight != 1.0 else [False] * len(ep.turns)
+        decides = sandbox.decision_turns(ep) if decision_weight != 1.0 else [False] * len(ep.turns)
         for t, lp, n_rw, decide in zip(ep.turns, per_turn, lens, decides):
             if lp is None or not lp.numel():
                 continue

@@ -139,7 +139,7 @@ def test_decision_weight_counts_the_first_id_after_each_search_d_times_masked_or
     text = (f"Acme rose 5%.<search>Acme rose</search> {WRONG}<search>/Acme/</search><delete scope=\"sentence\"/>"
             " Acme rose 5%.")
     ep = S.replay(MASK_DOC, text).tokenized(tok)
-    decides = sft.decision_turns(ep)
+    decides = S.decision_turns(ep)
     assert decides == [False, True, True, False]  # after the first search, after the second, not after the delete
     assert ep.turns[1].masked and 0 in ep.turns[1].masked  # "keep" begins the wrong sentence: masked...
     assert ep.turns[2].text.startswith("<delete")
