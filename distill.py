@@ -73,6 +73,10 @@ class GenerateConfig:
 class KDConfig:
     weight: float = 0.5  # w in (1 - w) CE + w T^2 KL; 0 = cross-entropy only
     temperature: float = 2.0  # T, applied to both teacher and student logits
+    # KD also on every position of the prompt (the document the student reads), not only on the
+    # generated ids: a pruned student relearns to read and copy from the article, with ~10x more
+    # positions a target than its summary holds. The KL is then the mean over all those positions.
+    prompt: bool = False
 
 
 @dataclass
@@ -92,10 +96,10 @@ class Config:
     # the student: a tiny preset (built from scratch over the teacher's tokenizer), an HF id or a path
     student: modeling.ModelConfig = field(default_factory=lambda: modeling.ModelConfig(
         name_or_path="tiny-0.3m", lora=modeling.LoraConfig(enabled=False)))
-    # > 1: the student is the teacher itself (its adapter merged) with one decoder layer in
-    # `keep_every` kept, evenly spaced, first and last included; its weights start as the
-    # teacher's (student.name_or_path is then unused)
-    keep_every: int = 0
+    # > 1: the student is the teacher itself (its adapter merged) with ceil(layers / keep_every)
+    # of its decoder layers kept (2: half, 1.5: two in three), evenly spaced, first and last
+    # included; its weights start as the teacher's (student.name_or_path is then unused)
+    keep_every: float = 0
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     target: Literal["summary", "episode", "both"] = "summary"
     data: DataConfig = field(default_factory=DataConfig)
@@ -207,12 +211,15 @@ def kd_setting(teacher_tok, student_tok, cfg: KDConfig) -> tuple[float, str]:
     return cfg.weight, f"kd: KL(teacher || student) at T={cfg.temperature:g}, weight {cfg.weight:g} (CE {1 - cfg.weight:g})"
 
 
-def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_tokens: int = 16384
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, V) the logits that predict every generated id of `episodes`, and (N,)
-    those ids: episodes, branches and turns in order, each id once, under the
-    context it was generated in. Branches are right-padded sequences; only the
-    needed positions go through the output head (`logits_to_keep`)."""
+def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_tokens: int = 16384,
+                     prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, V) the logits that predict every generated id of `episodes`, (N,)
+    those ids and (N,) a bool mask of the generated ones: episodes, branches and
+    turns in order, each id once, under the context it was generated in. With
+    `prompt`, every position of every branch instead (the prompt and injected
+    results too, the mask telling them apart). Branches are right-padded
+    sequences; only the needed positions go through the output head
+    (`logits_to_keep`)."""
     dev = next(model.parameters()).device
     branches = [b for ep in episodes for b in ep.branches()]
     chunks, cur = [], []
@@ -222,7 +229,7 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
             cur = []
         cur.append(b)
     chunks += [cur] if cur else []
-    logits, targets = [], []
+    logits, targets, generated = [], [], []
     for chunk in chunks:
         width = max(len(b.input_ids) for b in chunk)
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -231,8 +238,10 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
         for i, b in enumerate(chunk):
             ids[i, :len(b.input_ids)] = torch.tensor(b.input_ids)
             mask[i, :len(b.input_ids)] = 1
-            wanted.append([p for _, s, e in b.turns for p in range(s - 1, e - 1)])
+            gen = {p for _, s, e in b.turns for p in range(s - 1, e - 1)}
+            wanted.append(list(range(len(b.input_ids) - 1)) if prompt else sorted(gen))
             targets += [b.input_ids[p + 1] for p in wanted[-1]]
+            generated += [p in gen for p in wanted[-1]]
         keep = sorted({p for w in wanted for p in w})
         col = {p: k for k, p in enumerate(keep)}
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -240,22 +249,31 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
                     logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
         for i, w in enumerate(wanted):
             logits.append(out[i, torch.tensor([col[p] for p in w], device=dev, dtype=torch.long)])
-    return torch.cat(logits), torch.tensor(targets, device=dev)
+    return torch.cat(logits), torch.tensor(targets, device=dev), torch.tensor(generated, device=dev)
+
+
+def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
+    """How many positions of `ep` the KD term covers: its generated ids, or with
+    `prompt` every position of every branch that predicts a next id."""
+    return sum(len(b.input_ids) - 1 for b in ep.branches()) if prompt else sft.n_generated(ep)
 
 
 def distill_loss(student, teacher, episodes, n_tokens: int, kd_weight: float, temperature: float,
-                 vocab: int, max_batch_tokens: int = 16384) -> tuple[torch.Tensor, float, float]:
-    """(loss, ce, kd) of a micro-batch, each a sum over its generated tokens
-    divided by `n_tokens` (the step's count): loss = (1 - w) ce + w kd. KD
-    compares the first `vocab` logits (heads padded past the vocabulary differ)."""
+                 vocab: int, max_batch_tokens: int = 16384, prompt: bool = False, n_kd: int = 0
+                 ) -> tuple[torch.Tensor, float, float]:
+    """(loss, ce, kd) of a micro-batch: loss = (1 - w) ce + w kd. ce is the sum
+    over its generated tokens divided by `n_tokens` (the step's count); kd the
+    sum over the KD positions (`kd_positions`) divided by `n_kd` (the step's count
+    of them; `n_tokens` when 0). KD compares the first `vocab` logits (heads
+    padded past the vocabulary differ)."""
     if kd_weight <= 0:
         ce = sft.sequence_loss(student, episodes, n_tokens, max_batch_tokens)
         return ce, ce.item(), math.nan
-    s_logits, targets = generated_logits(student, episodes, max_batch_tokens)
+    s_logits, targets, gen = generated_logits(student, episodes, max_batch_tokens, prompt)
     with torch.no_grad():
-        t_logits, _ = generated_logits(teacher, episodes, max_batch_tokens)
-    ce = F.cross_entropy(s_logits.float(), targets, reduction="sum") / max(1, n_tokens)
-    kd = kd_loss(s_logits[:, :vocab], t_logits[:, :vocab], temperature) / max(1, n_tokens)
+        t_logits, _, _ = generated_logits(teacher, episodes, max_batch_tokens, prompt)
+    ce = F.cross_entropy(s_logits[gen].float(), targets[gen], reduction="sum") / max(1, n_tokens)
+    kd = kd_loss(s_logits[:, :vocab], t_logits[:, :vocab], temperature) / max(1, n_kd or n_tokens)
     return (1 - kd_weight) * ce + kd_weight * kd, ce.item(), kd.item()
 
 
@@ -308,13 +326,18 @@ def compare(teacher_dir: str, student_dir: str, documents, cfg: evaluation.Confi
 # ---------------------------------------------------------------------------
 
 
+def teacher_stamp(teacher_dir: str) -> dict:
+    """What identifies a teacher for the caches built from it: its path and its
+    files' modification times (a retrained teacher invalidates them)."""
+    return {"teacher": teacher_dir,
+            "teacher_files": {f.name: f.stat().st_mtime_ns for f in sorted(Path(teacher_dir).glob("*.*"))}}
+
+
 def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> tuple[list[sandbox.Episode], dict]:
     """The kept teacher episodes and their funnel; cached in the run directory
     (reused while the settings that made them are unchanged)."""
     path, stamp_path = run_dir / "teacher_episodes.jsonl", run_dir / "teacher_episodes.json"
-    files = sorted(Path(cfg.teacher).glob("*.*"))  # a retrained teacher makes new episodes
-    stamp = {"teacher": cfg.teacher, "teacher_files": {f.name: f.stat().st_mtime_ns for f in files},
-             "generate": dataclasses.asdict(cfg.generate), "docs": cfg.data.docs,
+    stamp = {**teacher_stamp(cfg.teacher), "generate": dataclasses.asdict(cfg.generate), "docs": cfg.data.docs,
              "split": cfg.data.split, "max_train_docs": cfg.data.max_train_docs, "limits": cfg.limits,
              "seed": cfg.seed, "reward": settings.config_to_dict(cfg.reward)}
     if path.exists() and stamp_path.exists():
@@ -345,16 +368,20 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
     return kept, {**funnel, "cached": False}
 
 
-def kept_layers(n: int, keep_every: int) -> list[int]:
+def kept_layers(n: int, keep_every: float) -> list[int]:
     """`ceil(n / keep_every)` decoder layers of `n`, evenly spaced, the first and the last among them."""
     k = max(2, math.ceil(n / keep_every))
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
-def pruned_teacher(teacher_dir: str, keep_every: int, out_dir: Path, base: modeling.ModelConfig) -> Path:
+def pruned_teacher(teacher_dir: str, keep_every: float, out_dir: Path, base: modeling.ModelConfig) -> Path:
     """The teacher with its adapter merged and only `kept_layers` of its decoder layers,
-    saved as a plain model in `out_dir` (reused when already written)."""
-    if (out_dir / "config.json").exists():
+    saved as a plain model in `out_dir`; reused when written from the same teacher
+    with the same `keep_every` (its stamp, pruned.json), built again otherwise."""
+    stamp = {**teacher_stamp(teacher_dir), "keep_every": keep_every}
+    stamp_path = out_dir / "pruned.json"
+    if (out_dir / "config.json").exists() and stamp_path.exists() and \
+            json.loads(stamp_path.read_text(encoding="utf-8")) == stamp:
         return out_dir
     import torch.nn as nn
 
@@ -373,6 +400,7 @@ def pruned_teacher(teacher_dir: str, keep_every: int, out_dir: Path, base: model
     with common.atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        (tmp / "pruned.json").write_text(json.dumps(stamp) + "\n", encoding="utf-8")
     print(f"student: the teacher's decoder layers {keep} ({len(keep)} of {n}), its weights -> {out_dir}")
     return out_dir
 
@@ -462,11 +490,12 @@ def main(cfg: Config) -> dict:
     while step < cfg.steps:
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(sft.n_generated(e) for b in batches for e in b)
+        n_kd = sum(kd_positions(e, cfg.kd.prompt) for b in batches for e in b)
 
         def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
             with common.autocast(bf16, dev, teacher):
                 loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
-                                            cfg.max_batch_tokens)
+                                            cfg.max_batch_tokens, cfg.kd.prompt, n_kd)
             return loss, {"ce": ce, "kd": kd}
 
         loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step,

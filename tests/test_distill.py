@@ -130,8 +130,35 @@ def test_distill_loss_ce_is_sfts_and_kd_against_itself_is_zero():
     assert kd > 0 and loss.item() == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-5)
     loss, ce, kd = distill.distill_loss(student, student, eps, n, 0.5, 2.0, len(TOK))
     assert kd == pytest.approx(0.0, abs=1e-6) and loss.item() == pytest.approx(0.5 * ce, rel=1e-5)
-    logits, targets = distill.generated_logits(student, eps)
+    logits, targets, gen = distill.generated_logits(student, eps)
     assert logits.shape == (n, len(TOK)) and targets.tolist() == [i for e in eps for t in e.turns for i in t.ids]
+    assert gen.all()
+
+
+def test_kd_on_the_prompt_covers_every_position_and_leaves_the_cross_entropy_alone():
+    student = tiny_llama(TOK, seed=1, hidden=32, layers=1).eval()
+    teacher = tiny_llama(TOK, seed=2, hidden=32, layers=1).eval()
+    eps = [distill.summary_episode(teacher_episode()).tokenized(TOK), teacher_episode()]
+    n = sum(sft.n_generated(e) for e in eps)
+    branches = [b for e in eps for b in e.branches()]
+    n_all = sum(distill.kd_positions(e, True) for e in eps)
+    assert n_all == sum(len(b.input_ids) - 1 for b in branches) > 3 * n  # the document dwarfs the summary
+    assert [distill.kd_positions(e, False) for e in eps] == [sft.n_generated(e) for e in eps]
+    gen_logits, gen_targets, _ = distill.generated_logits(student, eps, max_batch_tokens=300)
+    logits, targets, gen = distill.generated_logits(student, eps, max_batch_tokens=300, prompt=True)
+    assert logits.shape == (n_all, len(TOK)) and int(gen.sum()) == n
+    assert targets.tolist() == [i for b in branches for i in b.input_ids[1:]]
+    assert torch.equal(targets[gen], gen_targets)  # the generated ids among them, in order
+    assert torch.allclose(logits[gen], gen_logits, atol=1e-5)
+    _, ce, _ = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK))
+    loss, ce_p, kd = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK), prompt=True, n_kd=n_all)
+    assert ce_p == pytest.approx(ce, rel=1e-5)  # cross-entropy stays on the generated ids
+    with torch.no_grad():
+        t_logits, _, _ = distill.generated_logits(teacher, eps, prompt=True)
+    assert kd == pytest.approx(distill.kd_loss(logits, t_logits, 2.0).item() / n_all, rel=1e-4)
+    assert loss.item() == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-5)
+    _, _, kd_self = distill.distill_loss(student, student, eps, n, 0.5, 2.0, len(TOK), prompt=True, n_kd=n_all)
+    assert kd_self == pytest.approx(0.0, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -213,7 +240,9 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path, mo
 
 
 @pytest.mark.parametrize("n, every, kept", [(30, 2, [0, 2, 4, 6, 8, 10, 12, 14, 17, 19, 21, 23, 25, 27, 29]),
-                                             (4, 2, [0, 3]), (5, 2, [0, 2, 4]), (2, 2, [0, 1]), (8, 4, [0, 7])])
+                                             (4, 2, [0, 3]), (5, 2, [0, 2, 4]), (2, 2, [0, 1]), (8, 4, [0, 7]),
+                                             (6, 1.5, [0, 2, 3, 5]), (30, 1.5, [0, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15,
+                                                                               17, 18, 20, 21, 23, 24, 26, 27, 29])])
 def test_kept_layers_are_evenly_spaced_with_the_first_and_last(n, every, kept):
     assert distill.kept_layers(n, every) == kept
 
@@ -244,6 +273,13 @@ def test_a_pruned_teacher_student_keeps_its_layers_weights_and_merged_adapter(wo
     assert final.config.num_hidden_layers == 2
     ep = R.rollout(final, TOK, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=6))[0]  # the KV cache
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 6  # indexes the kept layers 0 and 1
+    base = modeling.ModelConfig()
+    assert distill.pruned_teacher(str(tmp_path / "teacher"), 2, init, base) == init  # the same request: reused
+    assert AutoModelForCausalLM.from_pretrained(init).config.num_hidden_layers == 2
+    distill.pruned_teacher(str(tmp_path / "teacher"), 1.5, init, base)  # other layers: built again, not reused
+    student = AutoModelForCausalLM.from_pretrained(init)
+    assert student.config.num_hidden_layers == 3 and torch.equal(
+        student.state_dict()["model.layers.1.self_attn.q_proj.weight"], merged["model.layers.2.self_attn.q_proj.weight"])
 
 
 def test_resume_gives_the_weights_of_an_uninterrupted_run(full_teacher, world, tmp_path, monkeypatch):
