@@ -12,6 +12,9 @@
    teacher's episodes, trained as their branches like SFT, DESIGN.md section 4) or `both`.
 3. The student learns them with cross-entropy on every generated token, plus token-level KD when it
    shares the teacher's vocabulary: loss = (1 - w) CE + w T^2 KL(p_T || q_T); otherwise CE only.
+   With `kd.prompt` the KL covers every position of the prompt too (the document; its mean over
+   those positions): a student pruned from the teacher (`keep_every`) relearns to read the article
+   from about 9x the positions the summaries alone hold.
 4. `compare`: teacher and student through `eval.evaluate` on the same held-out documents. The target
    on the news world: >= 3x faster at p50, factuality within 2 points.
 Outputs in runs/NAME/: config.yaml, metrics.jsonl, teacher_episodes.jsonl, checkpoints (`resume=auto`
@@ -74,8 +77,8 @@ class KDConfig:
     weight: float = 0.5  # w in (1 - w) CE + w T^2 KL; 0 = cross-entropy only
     temperature: float = 2.0  # T, applied to both teacher and student logits
     # KD also on every position of the prompt (the document the student reads), not only on the
-    # generated ids: a pruned student relearns to read and copy from the article, with ~10x more
-    # positions a target than its summary holds. The KL is then the mean over all those positions.
+    # generated ids: a pruned student relearns to read and copy from the article, from about 9x
+    # the positions its summaries alone hold. The KL is then the mean over all those positions.
     prompt: bool = False
 
 
