@@ -139,6 +139,9 @@ class Config:
         if min(self.steps, self.batch_episodes, self.grad_accum, self.generate.samples_per_doc, self.log_every) < 1:
             raise settings.ConfigError("steps, batch_episodes, grad_accum, generate.samples_per_doc and log_every "
                                        "must be >= 1")
+        if self.keep_every != 0 and not self.keep_every > 1:
+            raise settings.ConfigError(f"keep_every={self.keep_every:g}: 0 (the student is student.name_or_path) or "
+                                       "> 1 (the teacher with ceil(layers / keep_every) of its decoder layers)")
 
 
 # ---------------------------------------------------------------------------

@@ -108,6 +108,13 @@ def test_kd_loss_is_zero_for_identical_logits_and_positive_otherwise():
     assert distill.kd_loss(x, torch.randn(5, 7, generator=g), 1.5).item() > 0.01
 
 
+@pytest.mark.parametrize("keep_every", [0.5, 1, -2])
+def test_a_keep_every_that_would_keep_every_layer_is_refused_by_name(keep_every):
+    with pytest.raises(settings.ConfigError, match="keep_every"):
+        distill.Config(keep_every=keep_every)
+    assert distill.Config(keep_every=1.5).keep_every == 1.5 and distill.Config(keep_every=0).keep_every == 0
+
+
 def test_kd_falls_back_to_cross_entropy_when_vocabularies_differ():
     cfg = distill.KDConfig(weight=0.5, temperature=2.0)
     w, why = distill.kd_setting(TOK, bpe_tokenizer(300), cfg)
