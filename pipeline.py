@@ -572,7 +572,12 @@ def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds:
             student_shown = f"{ms:.0f} ms, {_points(gap)}{quiet}"
         if not _missing(ms) and not _missing(t_ms) and ms:
             speed_ok = _stated(t_ms / ms >= 3 and gap <= 2, t, s)
-            speed_shown = f"{t_ms / ms:.1f}x faster, {_points(gap)}{quiet}"
+            # the ratio of the means; with several seeds, each seed's own ratio beside it
+            lat = [(d.get("teacher", {}).get("latency_p50_ms"), d.get("student", {}).get("latency_p50_ms"))
+                   for d in distills]
+            ratios = [a / b for a, b in lat if not _missing(a) and not _missing(b) and b]
+            spread = f" ({min(ratios):.1f}x-{max(ratios):.1f}x by seed)" if len(ratios) > 1 else ""
+            speed_shown = f"{t_ms / ms:.1f}x faster{spread}, {_points(gap)}{quiet}"
     targets = chain.targets(fig)
     # Milestones (M0-M3, README): each with its measured value.
     rules_only = [m for label, m in mean.items() if label == "RL rules only"]

@@ -71,6 +71,22 @@ def test_headline_marks_each_milestone_and_target_from_its_figure():
     assert "| not measured |" in md and "| not met |" in md
 
 
+def test_the_student_speedup_shows_its_spread_over_seeds():
+    """The speedup is the ratio of the mean p50 latencies; a student that is 7.5x faster
+    than one seed's teacher and 1.6x faster than another's shows both beside it."""
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics()}
+    for s, (t_ms, s_ms) in enumerate([(6000.0, 800.0), (2400.0, 1200.0), (1800.0, 1100.0)]):
+        models[c.sft(s)] = _metrics()
+        models[c.rl(s)] = _metrics(latency_p50_ms=t_ms, factuality=0.95)
+        models[c.student(s)] = _metrics(latency_p50_ms=s_ms, factuality=0.92)
+    md, fig = pipeline.headline(c, models, [], seeds=3, n_docs=103, backend="oracle")
+    assert "| 3.3x faster (1.6x-7.5x by seed), factuality 3.0 points below the teacher | not met |" in md
+    md, _ = pipeline.headline(c, {k: v for k, v in models.items() if not k.endswith(("_s1/final", "_s2/final"))},
+                              [], seeds=1, n_docs=103, backend="oracle")
+    assert "| 7.5x faster, factuality 3.0 points below the teacher |" in md  # one seed: no spread
+
+
 def test_a_policy_that_states_nothing_meets_no_precision_or_hallucination_target():
     """Fact precision counts the facts stated and hallucination the summaries with an
     error: a policy that says nothing scores 100% and 0% on them. Past 5% of summaries
