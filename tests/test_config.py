@@ -570,3 +570,18 @@ def test_unsloth_configs_score_branch_by_branch():
     with pytest.raises(settings.ConfigError, match="score_method=branch"):
         settings.load_config(rl.Config, ["--config", "configs/drgrpo_v19.yaml", "score_method=group"])
     assert settings.load_config(sft.Config, ["--config", "configs/sft_tiny.yaml"]).score_method == "tree"
+
+
+def test_the_public_entry_points_named_in_the_design_note_exist():
+    """DESIGN.md's "Public entry points" section promises names that tests, benches
+    and forks call; one that moved without an alias (sandbox.split_sentences once did)
+    breaks them silently."""
+    text = (ROOT / "DESIGN.md").read_text()
+    section = text[text.index("## 10. Public entry points"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    names = sorted(set(re.findall(r"`([a-z_]+)\.([A-Za-z_]+)", section)))
+    modules = {"sandbox", "rewards"}
+    checked = [(m, n) for m, n in names if m in modules]
+    assert len(checked) >= 6, checked  # the section names at least these; a parse that finds none is a bug
+    missing = [f"{m}.{n}" for m, n in checked if not hasattr(importlib.import_module(m), n)]
+    assert not missing, f"DESIGN.md names public entry points that do not exist: {missing}"
