@@ -474,7 +474,7 @@ def main(cfg: Config) -> dict:
     train, skipped = sft.tokenize_episodes(make_targets(episodes, cfg.target, same), tok, cfg.data.max_tokens)
     if not train:
         raise SystemExit(f"every target is longer than data.max_tokens={cfg.data.max_tokens}")
-    checked = sft.validate_masks(train, tok, cfg.mask_check, cfg.seed)
+    checked = rollout.validate_masks(train, tok, cfg.mask_check, cfg.seed)
     print(f"targets ({cfg.target}): {len(train)} ({skipped} over {cfg.data.max_tokens} tokens skipped), "
           f"{statistics.fmean(map(sft.n_generated, train)):.0f} generated tokens each; "
           f"mask validation on {checked}; student {common.count_parameters(model):,} parameters, "

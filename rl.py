@@ -356,15 +356,6 @@ def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperatur
                                          max_batch_tokens=cfg.max_batch_tokens))
 
 
-def validate_masks(episodes: Sequence[sandbox.Episode], tokenizer) -> None:
-    """Every trained position of every episode decodes to its turn's assistant
-    text (a loss mask drifting off the assistant text trains silently on the
-    wrong tokens: assert it before every update); raises MaskError."""
-    eos = rollout.stop_ids(tokenizer)
-    for ep in episodes:
-        sandbox.check_branches(ep, ep.branches(), tokenizer, eos)
-
-
 def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     """(train, eval, how they were obtained)."""
     import data  # the documents module (no torch)
@@ -600,7 +591,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)
         t2 = time.perf_counter()
         # -- update ----------------------------------------------------------
-        validate_masks(eps, tok)
+        rollout.validate_masks(eps, tok)  # every rollout, before every update
         keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
                 if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
                 for i in range(g, g + G)]

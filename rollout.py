@@ -31,6 +31,7 @@ during rollouts is a classic RL-trainer bug (the sampled data is then off-policy
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import urllib.error
@@ -173,6 +174,20 @@ def stop_ids(tokenizer) -> list[int]:
         if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0:
             ids.add(i)
     return sorted(ids)
+
+
+def validate_masks(episodes: Sequence[sandbox.Episode], tokenizer, n: int | None = None, seed: int = 0,
+                   mask_retracted: bool = False) -> int:
+    """Every trained position decodes to its turn's assistant text (a loss mask that
+    drifts off the assistant text trains silently on the wrong tokens); raises
+    sandbox.MaskError. Every episode in order, or a seeded sample of `n` (SFT and
+    distillation check a sample of their corpus once; RL checks every rollout before
+    every update). Returns how many were checked."""
+    sample = list(episodes) if n is None else random.Random(seed).sample(list(episodes), min(n, len(episodes)))
+    eos = stop_ids(tokenizer)
+    for ep in sample:
+        sandbox.check_branches(ep, ep.branches(mask_retracted=mask_retracted), tokenizer, eos)
+    return len(sample)
 
 
 # ---------------------------------------------------------------------------

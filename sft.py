@@ -317,16 +317,6 @@ def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbo
     return kept, skipped
 
 
-def validate_masks(episodes, tokenizer, n: int, seed: int = 0, mask_retracted: bool = False) -> int:
-    """Mask validation on a seeded sample; returns how many were checked."""
-    rng = random.Random(seed)
-    sample = rng.sample(episodes, min(n, len(episodes)))
-    eos = rollout.stop_ids(tokenizer)
-    for ep in sample:
-        sandbox.check_branches(ep, ep.branches(mask_retracted=mask_retracted), tokenizer, eos)
-    return len(sample)
-
-
 def episode_logps(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
     """(B,) log p(episode): the sum over its generated ids under the contexts they were
     generated in (branch-exact, as SFT scores them)."""
@@ -641,7 +631,7 @@ def main(cfg: Config) -> dict:
             print("kto: warning: one class only; KTO then pushes every episode the same way")
         if not getattr(model, "peft_config", None):  # a full fine-tune's reference: its starting weights
             ref_copy = modeling.frozen_copy(model)
-    checked = validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
+    checked = rollout.validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 
     lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]

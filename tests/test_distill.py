@@ -47,7 +47,7 @@ def test_summary_target_is_the_final_summary_alone_and_its_mask_covers_exactly_i
     trained = [i for i, m in zip(branch.input_ids, branch.loss_mask) if m]
     assert trained == TOK.encode(ep.summary, add_special_tokens=False) + [TOK.eos_token_id]
     assert branch.input_ids == prompt + trained and branch.loss_mask == [0] * len(prompt) + [1] * len(trained)
-    assert sft.validate_masks([t], TOK, 1) == 1
+    assert R.validate_masks([t], TOK, 1) == 1
 
 
 def test_targets_by_mode_keep_sampled_ids_only_when_the_vocabulary_is_shared():

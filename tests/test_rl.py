@@ -242,7 +242,7 @@ def test_stops_end_turns_and_the_end_of_turn_token_is_trained_not_summarised():
         assert last.ended == "eos" and last.ids[-1] == eot and "<|eot|>" not in ep.summary
         assert len(rl.token_advantages([ep], [[0.0] * len(ep.turns)])) == sum(len(t.ids) for t in ep.turns)
     assert eps[1].summary == "Acme grew 12%." and eps[0].summary == "Acme grew. Jane Doe said, wrongly, fine."
-    rl.validate_masks(eps, TOK)
+    R.validate_masks(eps, TOK)
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import common
 import settings
 import modeling
+import rollout
 import sandbox as S
 import sft
 from helpers import assert_trackers_match_metrics, killed_after_checkpoint, newsworld_traces, offline_trackers
@@ -205,17 +206,27 @@ def test_optimizer_step_accumulates_and_a_non_finite_loss_updates_nothing():
 
 
 def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
+    """One mask validator serves SFT and distillation (a seeded sample) and RL (every
+    rollout, before every update): rollout.validate_masks."""
     tok = modeling.load_tokenizer(tiny)
     eps = [e.tokenized(tok) for e in newsworld_traces(5, seed=2)]
-    assert sft.validate_masks(eps, tok, 5) == 5
+    assert rollout.validate_masks(eps, tok, 5) == 5
+    assert rollout.validate_masks(eps, tok, 3) == 3
+    assert rollout.validate_masks(eps, tok) == 5  # no sample size: every episode
+    assert not hasattr(sft, "validate_masks")
     real = S.Episode.branches
+    checked = []
 
     def shifted(self, *a, **k):
+        checked.append(self)
         return [S.Branch(b.input_ids, [0] + b.loss_mask[:-1], b.logprobs, b.turns) for b in real(self, *a, **k)]
 
     monkeypatch.setattr(S.Episode, "branches", shifted)
     with pytest.raises(S.MaskError):
-        sft.validate_masks(eps, tok, 5)
+        rollout.validate_masks(eps, tok, 5)
+    with pytest.raises(S.MaskError):
+        rollout.validate_masks(eps[1:], tok)
+    assert checked[-1] is eps[1]  # every episode, in order: the first one already fails
 
 
 def cfg_for(tiny, traces, tmp_path, **over):
@@ -354,7 +365,7 @@ def test_rejection_and_teacher_modes_train_on_what_they_say(tiny, traces, tmp_pa
     def fake_score(items, cfg=None, scorer=None, teacher=None):
         return [dict(r, **{"pass": i % 2 == 0}) for i, r in enumerate(real_score(items, cfg))]
 
-    monkeypatch.setattr(sft, "validate_masks", spy_validate)
+    monkeypatch.setattr(sft.rollout, "validate_masks", spy_validate)
     monkeypatch.setattr(sft.rewards, "score_batch", fake_score)
     monkeypatch.setattr(S.Episode, "valid", property(lambda self: True))
     base = S.read_episodes(str(traces / "train.jsonl"))
