@@ -75,7 +75,12 @@ def _overlaps(a: int, b: int, taken: list[tuple[int, int]]) -> bool:
 
 
 def parse_quantities(text: str, taken: list[tuple[int, int]] | None = None) -> list[Mention]:
-    """Dates, money, percentages, scores and counts in `text`, longest reading first, no overlaps."""
+    """Dates, money, percentages, scores and counts in `text`, longest reading first, no overlaps.
+
+    Independent of `claims.numbers` (the reward's number parser) on purpose: the oracle is
+    the ground truth that evaluation scores against, and the reward is what RL optimises, so
+    a parsing mistake shared by both would be rewarded and never show in the held-out
+    figures. This one also reads the world's own typed values (a `When`, a unit per slot)."""
     taken = taken if taken is not None else []
     out: list[Mention] = []
 
