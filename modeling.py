@@ -446,6 +446,29 @@ def _peft_lora(cfg: LoraConfig, n_layers: int):
                            layers_to_transform=adapted_layers(cfg, n_layers), bias="none", task_type="CAUSAL_LM")
 
 
+def load_from_init(cfg: ModelConfig, init: str = "", reference: bool = False, hint: str = ""):
+    """(model, tokenizer) to train, as sft.py and rl.py start: from `init` when given (a
+    previous run's final/: an adapter directory is continued, full weights become the base
+    with a fresh LoRA on top when cfg.lora.enabled), else `cfg` as it is. `reference`:
+    the starting adapter is also kept frozen as the reference policy (RL's KL anchor, KTO's
+    reference), so the anchor is the starting policy and not the bare base. A missing
+    `init` stops with `hint` (the command that writes it)."""
+    if init:
+        path = Path(init)
+        if not path.exists():
+            raise SystemExit(f"init={init} does not exist" + (f": {hint}" if hint else ""))
+        key = "adapter_path" if (path / "adapter_config.json").exists() else "name_or_path"
+        cfg = dataclasses.replace(cfg, **{key: str(path)})
+    if cfg.backend == "unsloth":
+        # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING); the
+        # scoring path needs them. Read at forward time, so set before the first one.
+        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
+    model, tok = load_policy(cfg, train=True)
+    if reference and cfg.adapter_path:
+        add_reference_adapter(model, cfg.adapter_path)
+    return model, tok
+
+
 def load_policy(cfg: ModelConfig, train: bool = True, device_name: str | None = None):
     """(model, tokenizer) for `cfg`: the model on `device_name` (default: `device()`).
 

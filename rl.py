@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -411,26 +410,13 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
 
 
 def load_model(cfg: Config):
-    """The policy from `init` (an adapter directory continues that adapter;
-    full weights get a fresh LoRA when model.lora.enabled), else model.name_or_path."""
-    mcfg = cfg.model
-    if cfg.init:
-        init = Path(cfg.init)
-        if not init.exists():
-            raise SystemExit(f"init={cfg.init} does not exist: run the SFT stage first "
-                             "(`python sft.py --config configs/sft_tiny.yaml` for the tiny config)")
-        key = "adapter_path" if (init / "adapter_config.json").exists() else "name_or_path"
-        mcfg = dataclasses.replace(mcfg, **{key: str(init)})
-    if mcfg.backend == "unsloth":
-        # Unsloth returns empty logits in training unless asked (its LOGITS_ERROR_STRING);
-        # the scoring path needs them. Read at forward time, so set before the first one.
-        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
-    model, tok = modeling.load_policy(mcfg, train=True)
-    if mcfg.adapter_path and cfg.beta > 0:
-        # Training continues the init adapter: the starting policy is base + that adapter,
-        # and the KL must anchor there, not on the base model (adapter disabled).
-        modeling.add_reference_adapter(model, mcfg.adapter_path)
-    return model, tok
+    """The policy from `init` (an adapter directory continues that adapter; full weights
+    get a fresh LoRA when model.lora.enabled), else model.name_or_path. With a KL term
+    (beta > 0) the init adapter is also the reference: the KL anchors on the starting
+    policy, not on the base model with the adapter disabled."""
+    return modeling.load_from_init(cfg.model, cfg.init, reference=cfg.beta > 0,
+                                   hint="run the SFT stage first (`python sft.py --config configs/sft_tiny.yaml` "
+                                        "for the tiny config)")
 
 
 def make_optimizer(cfg: Config, params):

@@ -25,7 +25,6 @@ train a dangling tool call).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import random
 import time
@@ -564,17 +563,11 @@ def teacher_corpus(episodes: list, cfg: Config) -> list[sandbox.Episode]:
 
 
 def load_model(cfg: Config):
-    mcfg = cfg.model
-    if cfg.init:
-        init = Path(cfg.init)
-        if (init / "adapter_config.json").exists():
-            mcfg = dataclasses.replace(mcfg, adapter_path=str(init))
-        else:
-            mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
-    model, tok = modeling.load_policy(mcfg, train=True)
-    if cfg.mode == "kto" and mcfg.adapter_path:
-        modeling.add_reference_adapter(model, mcfg.adapter_path)  # the reference is the starting policy (as in rl.py)
-    return model, tok
+    """The model from `init` (an adapter is continued, full weights get a fresh LoRA when
+    model.lora.enabled), else model.name_or_path; for KTO the starting adapter is also the
+    reference (as in rl.py)."""
+    return modeling.load_from_init(cfg.model, cfg.init, reference=cfg.mode == "kto",
+                                   hint="train it first, or set init to a previous run's final/")
 
 
 def main(cfg: Config) -> dict:

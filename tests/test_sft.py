@@ -239,6 +239,23 @@ def cfg_for(tiny, traces, tmp_path, **over):
     return cfg
 
 
+def test_sft_and_rl_start_from_init_the_same_way(tiny, traces, tmp_path):
+    """One init-to-adapter loader (modeling.load_from_init) serves sft.py and rl.py: a
+    missing init names the key in both (SFT once fell through to loading it as a model
+    name), full weights become the base, an adapter directory is continued."""
+    import rl
+
+    cfg = cfg_for(tiny, traces, tmp_path, init=str(tmp_path / "nope"))
+    with pytest.raises(SystemExit, match=r"init=.*nope does not exist"):
+        sft.load_model(cfg)
+    with pytest.raises(SystemExit, match=r"init=.*nope does not exist"):
+        rl.load_model(rl.Config(init=str(tmp_path / "nope")))
+    model, _ = sft.load_model(cfg_for(tiny, traces, tmp_path, init=tiny))  # full weights: the base itself
+    base, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)),
+                                   train=False)
+    assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
+
+
 @pytest.mark.slow
 def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_path):
     # ~120 steps: enough for a 1M model from scratch to pick up the tool syntax
