@@ -27,7 +27,7 @@ import textsplit
 # ---------------------------------------------------------------------------
 
 
-def _text_of(x: Any) -> str:
+def text_of(x: Any) -> str:
     """A document or summary as text: str, a data.Document (.text), an Episode
     (.summary). Anything else is malformed and reads as ""."""
     if isinstance(x, str):
@@ -484,7 +484,7 @@ _PROFANITY = frozenset(
 _MARKUP_RE = re.compile(r"</?\s*(?:search|results|delete|error)\b[^<>]{0,200}>|<\d{1,3}>")
 
 
-def _stem(t: str) -> str:
+def stem_word(t: str) -> str:
     """A crude suffix strip, so 'values', 'valued' and 'value' meet, as do
     'countries'/'country' and 'stopped'/'stop'. Collisions only make support lenient."""
     if len(t) <= 3:
@@ -515,7 +515,7 @@ def _content_word(t: str) -> str | None:
     words (numbers are checked on their own)."""
     if not t or t in STOPWORDS or t in _NUMERIC_WORDS or t[0].isdigit():
         return None
-    return t if t in NEGATIONS else _stem(t)
+    return t if t in NEGATIONS else stem_word(t)
 
 
 @dataclass
@@ -579,19 +579,19 @@ def _analyse_document(text: str, ner: str, spacy_model: str, window: int) -> Doc
                    [tuple(x) for x in sent_prem], {w: tuple(sorted(v)) for w, v in word_prem.items()}, negated)
 
 
-_DOC_CACHE = LRU(512)
+DOC_CACHE = LRU(512)
 
 
 def document_info(document: Any, ner: str = "heuristic", spacy_model: str = "en_core_web_sm",
                   window_sentences: int = 1) -> DocInfo:
     """The cached analysis of a document (keyed by a hash of its text and the
     settings that shape it: `rewards.document_info` passes a RewardConfig's)."""
-    text = _text_of(document)
+    text = text_of(document)
     key = (text_key(text), ner, spacy_model, window_sentences)
-    info = _DOC_CACHE.get(key)
+    info = DOC_CACHE.get(key)
     if info is None:
         info = _analyse_document(text, ner, spacy_model, window_sentences)
-        _DOC_CACHE.put(key, info)
+        DOC_CACHE.put(key, info)
     return info
 
 
@@ -652,7 +652,7 @@ def summary_info(summary: Any, ner: str = "heuristic", spacy_model: str = "en_co
                  profanity_extra: Sequence[str] = ()) -> SummaryInfo:
     """A summary's claims, profanity and leftover tool markup (`rewards.summary_info`
     passes a RewardConfig's settings)."""
-    text = _text_of(summary)
+    text = text_of(summary)
     episode = summary if isinstance(summary, sandbox.Episode) else None
     words = textsplit.words(text)
     bad = _PROFANITY | {w.lower() for w in profanity_extra}
@@ -673,7 +673,7 @@ def _memo(doc: DocInfo, key, compute):
     return hit
 
 
-def _num_sentences(doc: DocInfo, num: Num, rel_tol: float) -> tuple[int, ...]:
+def num_sentences(doc: DocInfo, num: Num, rel_tol: float) -> tuple[int, ...]:
     """Sentences with a mention that supports `num` (value-indexed per kind)."""
     def compute():
         out = set()
@@ -693,12 +693,12 @@ def _num_sentences(doc: DocInfo, num: Num, rel_tol: float) -> tuple[int, ...]:
     return _memo(doc, ("num", num.kind, num.value, num.unit, num.currency, rel_tol), compute)
 
 
-def _premises_of(doc: DocInfo, key: tuple, sents: tuple[int, ...]) -> frozenset:
+def premises_of(doc: DocInfo, key: tuple, sents: tuple[int, ...]) -> frozenset:
     """The premises holding any of `sents` (memoised with the mention `key`)."""
     return _memo(doc, ("premises",) + key, lambda: frozenset(p for i in sents for p in doc.sentence_premises[i]))
 
 
-def _name_sentences(doc: DocInfo, name: tuple[str, ...]) -> tuple[int, ...]:
+def name_sentences(doc: DocInfo, name: tuple[str, ...]) -> tuple[int, ...]:
     def compute():
         toks = set(name)
         hits = {doc.names[k][1] for k in doc.name_index.get(name[0], ()) if toks <= doc.names[k][0]}

@@ -262,7 +262,7 @@ def build_pretrained_model(preset: str, out_dir: str | os.PathLike) -> Path:
             return out
     elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and holds no {PRETRAINED_MARKER}; refusing to replace it")
-    _require("gguf", f"converting model preset {preset!r}", "pip install -r requirements.txt (it pins gguf)")
+    require_package("gguf", f"converting model preset {preset!r}", "pip install -r requirements.txt (it pins gguf)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -412,7 +412,7 @@ def generation_eos_ids(name_or_path: str) -> list[int]:
     return sorted({int(i) for i in eos if isinstance(i, int) and i >= 0})
 
 
-def _require(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
+def require_package(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
@@ -420,7 +420,7 @@ def _require(module: str, why: str, hint: str = GPU_INSTALL_HINT) -> None:
 
 
 def _bnb_config(quant: str, compute_dtype):
-    _require("bitsandbytes", f"model.quant={quant!r}", "pip install bitsandbytes==0.50.2")
+    require_package("bitsandbytes", f"model.quant={quant!r}", "pip install bitsandbytes==0.50.2")
     from transformers import BitsAndBytesConfig
 
     if quant == "4bit":
@@ -547,9 +547,9 @@ def load_trained(path: str, train: bool = False, base: ModelConfig | None = None
 def _load_unsloth(cfg: ModelConfig, train: bool):
     """Unsloth's FastLanguageModel (argument names as in Unsloth's GRPO notebooks);
     with fast_inference its vLLM engine shares the weights (`model.fast_generate`)."""
-    _require("unsloth", "model.backend='unsloth'")
+    require_package("unsloth", "model.backend='unsloth'")
     if cfg.fast_inference:
-        _require("vllm", "model.fast_inference=true")
+        require_package("vllm", "model.fast_inference=true")
     import torch
 
     if not torch.cuda.is_available():

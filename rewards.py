@@ -38,8 +38,8 @@ import claims
 import sandbox
 import textsplit
 from claims import (
-    LRU, NEGATIONS, STOPWORDS, Claim, DocInfo, Part, SummaryInfo, _name_sentences, _num_sentences, _premises_of,
-    _stem, _text_of, text_key,
+    LRU, NEGATIONS, STOPWORDS, Claim, DocInfo, Part, SummaryInfo, name_sentences, num_sentences, premises_of,
+    stem_word, text_of, text_key,
 )
 from fenice import Fenice, FeniceConfig
 
@@ -200,8 +200,8 @@ def rule_length(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
 
 def rule_entities(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
     names = [n for c in s.claims for n in c.names
-             if not (n.weak and not _name_sentences(doc, n.tokens))]
-    missing = [" ".join(n.tokens) for n in names if not _name_sentences(doc, n.tokens)]
+             if not (n.weak and not name_sentences(doc, n.tokens))]
+    missing = [" ".join(n.tokens) for n in names if not name_sentences(doc, n.tokens)]
     score = 1.0 - len(missing) / len(names) if names else float(not doc.names)
     return RuleResult(score, {"names": len(names), "unsupported": missing})
 
@@ -209,7 +209,7 @@ def rule_entities(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
 def rule_numbers(doc: DocInfo, s: SummaryInfo, cfg: RuleConfig) -> RuleResult:
     nums = [n for c in s.claims for n in c.nums]
     tol = cfg.number_rel_tolerance
-    missing = [n.text for n in nums if not _num_sentences(doc, n, tol)]
+    missing = [n.text for n in nums if not num_sentences(doc, n, tol)]
     score = 1.0 - len(missing) / len(nums) if nums else float(not doc.nums)
     return RuleResult(score, {"numbers": len(nums), "unsupported": missing})
 
@@ -312,15 +312,15 @@ def _part_support(doc: DocInfo, part: Part, tol: float, lex: LexicalConfig) -> t
     n_premises = len(doc.premise_spans)
     extrinsic, items = [], []  # items: premises supporting each number/name the document states
     for n in part.nums:
-        sents = _num_sentences(doc, n, tol)
+        sents = num_sentences(doc, n, tol)
         if sents:
-            items.append(_premises_of(doc, ("num", n.kind, n.value, n.unit, n.currency, tol), sents))
+            items.append(premises_of(doc, ("num", n.kind, n.value, n.unit, n.currency, tol), sents))
         else:
             extrinsic.append(n.text)
     for name in part.names:
-        sents = _name_sentences(doc, name.tokens)
+        sents = name_sentences(doc, name.tokens)
         if sents:
-            items.append(_premises_of(doc, ("name", name.tokens), sents))
+            items.append(premises_of(doc, ("name", name.tokens), sents))
         elif not name.weak:
             extrinsic.append(" ".join(name.tokens))
     if n_premises == 0:
@@ -424,7 +424,7 @@ def lexical_factuality(document: Any, summary: Any, cfg: RewardConfig | None = N
 # the splitter would miss in it are repaired first. Numbers are words here:
 # "4.2" must appear as written ("4.2 billion" vs "4,200 million" does not meet).
 
-_SUPPORT_TOKEN_RE = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
+SUPPORT_TOKEN_RE = re.compile(r"[^\W_]+(?:['’.,][^\W_]+)*")
 # Irregular forms the suffix stripper cannot join ("said" / "says").
 _IRREGULAR = {
     "said": "say", "says": "say", "won": "win", "wins": "win", "lost": "lose", "loses": "lose", "made": "make",
@@ -444,11 +444,11 @@ def _support_word(tok: str) -> str | None:
         t = t[:-2]
     if t in STOPWORDS:
         return None
-    return _stem(_IRREGULAR.get(t, t))
+    return stem_word(_IRREGULAR.get(t, t))
 
 
 def _support_words(sentence: str) -> list[str]:
-    return [w for w in map(_support_word, _SUPPORT_TOKEN_RE.findall(sentence)) if w]
+    return [w for w in map(_support_word, SUPPORT_TOKEN_RE.findall(sentence)) if w]
 
 
 # Sentence boundaries the splitter would miss, repaired before splitting (measured on
@@ -475,21 +475,21 @@ def repair_summary(summary: str) -> str:
     return _LOWER_START.sub(lambda m: m.group(1) + m.group(2).upper(), summary)
 
 
-_SUPPORT_DOCS = LRU(512)
+SUPPORT_DOCS = LRU(512)
 
 
 def support_document(document: Any) -> dict[str, frozenset]:
     """Content stem -> the document sentences holding it (cached per text)."""
-    text = _text_of(document)
+    text = text_of(document)
     key = text_key(text)
-    post = _SUPPORT_DOCS.get(key)
+    post = SUPPORT_DOCS.get(key)
     if post is None:
         acc = collections.defaultdict(set)
         for i, sent in enumerate(textsplit.split_sentences(repair_document(text))):
             for w in _support_words(sent):
                 acc[w].add(i)
         post = {w: frozenset(v) for w, v in acc.items()}
-        _SUPPORT_DOCS.put(key, post)
+        SUPPORT_DOCS.put(key, post)
     return post
 
 
@@ -506,8 +506,8 @@ def support_details(document: Any, summary: Any, cfg: SupportConfig | None = Non
     cfg = cfg or SupportConfig()
     post = support_document(document)
     details = []
-    for sent in textsplit.split_sentences(repair_summary(_text_of(summary))):
-        found = [(w, tok) for tok in _SUPPORT_TOKEN_RE.findall(sent) if (w := _support_word(tok))]
+    for sent in textsplit.split_sentences(repair_summary(text_of(summary))):
+        found = [(w, tok) for tok in SUPPORT_TOKEN_RE.findall(sent) if (w := _support_word(tok))]
         words = [w for w, _ in found]
         if not words:
             details.append({"claim": sent, "score": 0.0, "words": 0.0, "pairs": 0.0, "unsupported": [],
@@ -588,7 +588,7 @@ def right_deletes(document: Any, episode: Any, factuality: str) -> int:
         import oracle  # the news world's fact checker; imported only for this backend
 
         return sum(not oracle.oracle_errors(document, t) for t in gone)
-    text = _text_of(document)
+    text = text_of(document)
     return sum(_unsupported(text, t) < 0.5 for t in gone)
 
 
@@ -765,7 +765,7 @@ class Scorer:
             model = factcheck.load(cfg.learned.path)
             return [(model.score(d, s.text), None) for d, s in zip(docs, summaries)]
         if cfg.factuality == "fenice":
-            res = self.fenice(cfg.fenice).score_batch([(_text_of(d), s.text) for d, s in zip(docs, summaries)])
+            res = self.fenice(cfg.fenice).score_batch([(text_of(d), s.text) for d, s in zip(docs, summaries)])
             return [(r["score"], r["claims"]) for r in res]
         if cfg.factuality == "oracle":
             import oracle  # the news world's fact checker; imported only for this backend
@@ -851,7 +851,7 @@ def factuality_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None 
     if cfg.factuality == "lexical":  # the only backend that reads the analyses
         summaries, infos = [summary_info(s, cfg) for _, s in items], [document_info(d, cfg) for d in docs]
     else:
-        summaries, infos = [SummaryInfo(_text_of(s), 0, [], [], []) for _, s in items], [None] * len(docs)
+        summaries, infos = [SummaryInfo(text_of(s), 0, [], [], []) for _, s in items], [None] * len(docs)
     return [float(f) for f, _ in Scorer(cfg).factuality(docs, summaries, infos, cfg)]
 
 

@@ -421,7 +421,7 @@ def load_model(cfg: Config):
 
 def make_optimizer(cfg: Config, params):
     if cfg.optimizer == "adamw_8bit":
-        modeling._require("bitsandbytes", "optimizer='adamw_8bit'", "pip install bitsandbytes==0.50.2")
+        modeling.require_package("bitsandbytes", "optimizer='adamw_8bit'", "pip install bitsandbytes==0.50.2")
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

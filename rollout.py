@@ -894,7 +894,7 @@ def _score_trees(model, chunk, out, temperature, dev):
 # ---------------------------------------------------------------------------
 
 
-def _drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens=None, context_len=None):
+def drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens=None, context_len=None):
     """The loop shared by request-based backends: each round, every unfinished
     episode is sent its whole context and generates until a stop; its tokens
     are pushed through the builder, which decides what follows.
@@ -988,7 +988,7 @@ def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, lim
             res.append((list(c.token_ids), lps, finish))
         return res
 
-    return _drive_multiturn(builders, generate_round, cfg.max_new_tokens, cfg.max_context_tokens)
+    return drive_multiturn(builders, generate_round, cfg.max_new_tokens, cfg.max_context_tokens)
 
 
 # ---------------------------------------------------------------------------
@@ -1171,7 +1171,7 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
     # episode as truncated instead of a 400 from the server for an over-long prompt.
     prompt_chars = {id(b): len(sandbox.prompt_messages(b.index.text)[1]["content"]) + len(sandbox.SYSTEM_PROMPT)
                     for b in builders}
-    eps = _drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
+    eps = drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
                            context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
     for b, ep in zip(builders, eps):  # character ids are not a tokenisation: keep the text record only
         for t in ep.turns:

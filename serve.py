@@ -250,7 +250,7 @@ class Engine:
             raise BadRequest(413, f"the document's prompt is {n} tokens; the model's context is {self.context}")
 
     def _load_vllm(self) -> None:  # pragma: no cover - GPU stack
-        modeling._require("vllm", "backend=vllm")
+        modeling.require_package("vllm", "backend=vllm")
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 

@@ -454,7 +454,7 @@ def _continue_vllm(llm, tokenizer, docs, scripts, sampling):  # pragma: no cover
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
     live = [b for b in builders if not b.done]
-    rollout._drive_multiturn(live, generate_round, sampling.max_new_tokens)
+    rollout.drive_multiturn(live, generate_round, sampling.max_new_tokens)
     return [b.finish() for b in builders]
 
 

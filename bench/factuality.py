@@ -55,10 +55,10 @@ SCORERS = BASELINES + ("lexical", "support", "learned")
 
 def word_overlap(document: str, summary: str) -> float:
     """The issue's 30-line baseline: min over sentences of the share of content words in the document."""
-    doc = {w.lower() for w in R._SUPPORT_TOKEN_RE.findall(document)}
+    doc = {w.lower() for w in R.SUPPORT_TOKEN_RE.findall(document)}
     shares = []
     for sent in textsplit.split_sentences(summary):
-        words = [w.lower() for w in R._SUPPORT_TOKEN_RE.findall(sent) if w.lower() not in R.STOPWORDS]
+        words = [w.lower() for w in R.SUPPORT_TOKEN_RE.findall(sent) if w.lower() not in R.STOPWORDS]
         if words:
             shares.append(sum(w in doc for w in words) / len(words))
     return min(shares) if shares else 0.0
@@ -163,8 +163,8 @@ def run(records: list[dict], scorers: list[str], learned: str) -> dict:
     results = {}
     for name in scorers:
         fn = make_scorer(name, learned)
-        R._SUPPORT_DOCS.clear()
-        claims._DOC_CACHE.clear()
+        R.SUPPORT_DOCS.clear()
+        claims.DOC_CACHE.clear()
         t0 = time.perf_counter()
         scores = np.array([fn(r["document"], r["summary"]) for r in records], float)
         dt = time.perf_counter() - t0

@@ -298,14 +298,14 @@ def test_sentences_without_content_score_zero_and_count():
 
 
 def test_document_side_is_cached_by_content():
-    claims._DOC_CACHE.clear()
+    claims.DOC_CACHE.clear()
     text = "Acme Corp. hired 12 people. " * 3
     info = R.document_info(text)
     assert R.document_info("".join(list(text))) is info  # an equal string, another object
     assert R.document_info(text + " ") is not info
-    for i in range(claims._DOC_CACHE.maxsize + 5):  # bounded
+    for i in range(claims.DOC_CACHE.maxsize + 5):  # bounded
         R.document_info(f"Document number {i}.")
-    assert len(claims._DOC_CACHE) == claims._DOC_CACHE.maxsize
+    assert len(claims.DOC_CACHE) == claims.DOC_CACHE.maxsize
 
 
 # ---------------------------------------------------------------------------
