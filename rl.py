@@ -328,29 +328,10 @@ def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw
     return tok_loss.sum() / (n_rollouts * max_new_tokens), kl, clipped
 
 
-def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, temperature: float = 1.0,
-                   max_batch_tokens: int = 16384) -> list[list[torch.Tensor]]:
-    """`rollout.episode_logprobs(method="tree")`, with each group of `group_size`
-    consecutive rollouts scored as one tree rooted at their shared prompt
-    (DESIGN.md section 4): the prompt is computed once per group, not once per
-    rollout. rollout.py builds such trees (`group_trees`) but episode_logprobs
-    scores one tree per episode, so this drives its tree scorer directly."""
-    dev = next(model.parameters()).device
-    out: list[list] = [[None] * len(ep.turns) for ep in episodes]
-    trees = []
-    for g in range(0, len(episodes), group_size):
-        (tree,) = rollout.group_trees(episodes[g:g + group_size])
-        tree.targets = [(g + e, ti, nodes) for e, ti, nodes in tree.targets]  # batch-wide episode indices
-        trees.append(tree)
-    for chunk in rollout._chunks(trees, max_batch_tokens, "tree"):
-        rollout._score_trees(model, chunk, out, temperature, dev)
-    return out
-
-
 def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperature: float) -> torch.Tensor:
     """(T,) log-probs of every generated token under its own context, differentiable."""
     if cfg.score_method == "group":
-        return flat(group_logprobs(model, episodes, cfg.group_size, temperature, cfg.max_batch_tokens))
+        return flat(rollout.group_logprobs(model, episodes, cfg.group_size, temperature, cfg.max_batch_tokens))
     return flat(rollout.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
                                          max_batch_tokens=cfg.max_batch_tokens))
 

@@ -838,6 +838,24 @@ def group_trees(episodes, tokenizer=None) -> list[_Tree]:
     return _trees(episodes, tokenizer, group=True)
 
 
+def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, temperature: float = 1.0,
+                   max_batch_tokens: int = 16384) -> list[list[torch.Tensor]]:
+    """`episode_logprobs(method="tree")`, with each group of `group_size` consecutive
+    rollouts scored as one tree rooted at their shared prompt (DESIGN.md section 4):
+    the prompt is computed once per group, not once per rollout (RL's
+    `score_method: group`). Same output shape: per episode, per turn."""
+    dev = next(model.parameters()).device
+    out: list[list] = [[None] * len(ep.turns) for ep in episodes]
+    trees = []
+    for g in range(0, len(episodes), group_size):
+        (tree,) = group_trees(episodes[g:g + group_size])
+        tree.targets = [(g + e, ti, nodes) for e, ti, nodes in tree.targets]  # batch-wide episode indices
+        trees.append(tree)
+    for chunk in _chunks(trees, max_batch_tokens, "tree"):
+        _score_trees(model, chunk, out, temperature, dev)
+    return out
+
+
 def _tree_mask(tree: _Tree, width: int) -> torch.Tensor:
     """(width, width) bool: node i sees node j iff j is i or an ancestor of i.
 

@@ -226,7 +226,8 @@ def test_group_scoring_equals_one_tree_per_episode():
     scripts = [DELETE_SCRIPT, 'Short one.<delete scope="sentence"/> Better.', "Acme grew.", DELETE_SCRIPT]
     eps = scripted_rollout(model, scripts, [DOC, DOC[:300]], group=2)
     per_episode = rl.flat(R.episode_logprobs(model, eps, method="tree"))
-    grouped = rl.flat(rl.group_logprobs(model, eps, group_size=2, max_batch_tokens=600))  # two chunks
+    grouped = rl.flat(R.group_logprobs(model, eps, group_size=2, max_batch_tokens=600))  # two chunks
+    assert not hasattr(rl, "group_logprobs")  # the tree scorer is driven from rollout.py only
     assert grouped.shape == per_episode.shape and torch.allclose(grouped, per_episode, atol=1e-5)
     assert torch.allclose(grouped, rl.sampler_logprobs(eps), atol=1e-4)
 

@@ -116,7 +116,7 @@ def test_tree_and_group_scoring_equal_branch_scoring_and_the_sampler(smol, episo
     with torch.no_grad():
         branch = R.episode_logprobs(model, eps, method="branch")
         tree = R.episode_logprobs(model, eps, method="tree")
-        group = rl.group_logprobs(model, eps, group_size=2)
+        group = R.group_logprobs(model, eps, group_size=2)
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             sampler = torch.tensor(t.logprobs)
