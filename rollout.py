@@ -749,13 +749,13 @@ def episode_logprobs(model, episodes: Sequence[sandbox.Episode], tokenizer=None,
     """
     dev = next(model.parameters()).device
     out: list[list[torch.Tensor | None]] = [[None] * len(ep.turns) for ep in episodes]
-    items = _branch_list(episodes, tokenizer) if method == "branch" else _trees(episodes, tokenizer)
+    items = _branch_list(episodes, tokenizer) if method == "branch" else episode_trees(episodes, tokenizer)
     with grouped_kv_attention(model):
         for chunk in _chunks(items, max_batch_tokens, method):
             if method == "branch":
                 _score_branches(model, chunk, out, temperature, dev)
             else:
-                _score_trees(model, chunk, out, temperature, dev)
+                score_trees(model, chunk, out, temperature, dev)
     return out
 
 
@@ -795,7 +795,7 @@ def _score_branches(model, chunk, out, temperature, dev):
 
 
 @dataclass
-class _Tree:
+class TokenTree:
     """The branches of one or more episodes as a trie of token nodes."""
     ids: list[int]
     parent: list[int]
@@ -804,13 +804,13 @@ class _Tree:
     paths: list[list[int]] = field(default_factory=list)  # root-to-leaf nodes of every branch
 
 
-def _trees(episodes, tokenizer, group=False) -> list[_Tree]:
+def episode_trees(episodes, tokenizer, group=False) -> list[TokenTree]:
     """One trie per episode (or one per group of episodes with `group`)."""
     trees = []
     cur = None
     for e, ep in enumerate(episodes):
         if cur is None or not group:
-            cur = _Tree([], [], [], [])
+            cur = TokenTree([], [], [], [])
             children: dict[tuple[int, int], int] = {}
             trees.append(cur)
         for b in ep.branches(tokenizer):
@@ -833,9 +833,9 @@ def _trees(episodes, tokenizer, group=False) -> list[_Tree]:
     return trees
 
 
-def group_trees(episodes, tokenizer=None) -> list[_Tree]:
+def group_trees(episodes, tokenizer=None) -> list[TokenTree]:
     """One trie for all episodes given (a GRPO group sharing its prompt)."""
-    return _trees(episodes, tokenizer, group=True)
+    return episode_trees(episodes, tokenizer, group=True)
 
 
 def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, temperature: float = 1.0,
@@ -852,11 +852,11 @@ def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, 
         tree.targets = [(g + e, ti, nodes) for e, ti, nodes in tree.targets]  # batch-wide episode indices
         trees.append(tree)
     for chunk in _chunks(trees, max_batch_tokens, "tree"):
-        _score_trees(model, chunk, out, temperature, dev)
+        score_trees(model, chunk, out, temperature, dev)
     return out
 
 
-def _tree_mask(tree: _Tree, width: int) -> torch.Tensor:
+def _tree_mask(tree: TokenTree, width: int) -> torch.Tensor:
     """(width, width) bool: node i sees node j iff j is i or an ancestor of i.
 
     Nodes are created in path order, so the nodes a branch adds are a
@@ -881,7 +881,10 @@ def _tree_mask(tree: _Tree, width: int) -> torch.Tensor:
     return m
 
 
-def _score_trees(model, chunk, out, temperature, dev):
+def score_trees(model, chunk, out, temperature, dev):
+    """One forward over the trees of `chunk` (right-padded rows, each row's attention
+    mask its trie: a node sees itself and its ancestors). Writes the log-probs of every
+    tree's targets into `out[episode][turn]`, differentiable."""
     width = max(len(t.ids) for t in chunk)
     dtype = next(model.parameters()).dtype
     if not dtype.is_floating_point:

@@ -110,8 +110,8 @@ def packed_lm_tight_step(model, ids, labels):
 
 def packed_trees_step(model, episodes, trees, width, n_tok):
     """The trees packed first-fit (largest first) into rows of `width`, each row
-    one `rollout._Tree` of disjoint tries (so `_tree_mask` makes its mask block
-    diagonal), scored by `rollout._score_trees` itself."""
+    one `rollout.TokenTree` of disjoint tries (so `_tree_mask` makes its mask block
+    diagonal), scored by `rollout.score_trees` itself."""
     rows = []
     for t in sorted(trees, key=lambda t: -len(t.ids)):
         for r in rows:
@@ -122,7 +122,7 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
             rows.append([t])
     merged = []
     for r in rows:
-        m = rollout._Tree([], [], [], [])
+        m = rollout.TokenTree([], [], [], [])
         for t in r:
             o = len(m.ids)
             m.ids += t.ids
@@ -132,7 +132,7 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
             m.paths += [[n + o for n in path] for path in t.paths]
         merged.append(m)
     out = [[None] * len(ep.turns) for ep in episodes]
-    rollout._score_trees(model, merged, out, 1.0, next(model.parameters()).device)
+    rollout.score_trees(model, merged, out, 1.0, next(model.parameters()).device)
     (-sum(x.sum() for turns in out for x in turns if x is not None) / n_tok).backward()
     return len(rows)
 
@@ -153,7 +153,7 @@ def main():
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
     batch = eps[:args.batch]
     n_tok = sum(sft.n_generated(e) for e in batch)
-    trees = rollout._trees(batch, None)
+    trees = rollout.episode_trees(batch, None)
     ids, labels = packed_rows(trees, args.row_tokens)
     widths = sorted({max(len(t.ids) for t in trees), 2 * max(len(t.ids) for t in trees), args.row_tokens})
     chunk = 16384 if tiny else 1024

@@ -109,14 +109,14 @@ def test_tree_scoring_sees_only_its_own_branch(model):
     """Letting a branch see retracted tokens must change its log-probs: the
     check has teeth."""
     eps = [e for e in run(model, "hf") if e.n_deleted >= 1][:1]
-    tree = R._trees(eps, None)[0]
+    tree = R.episode_trees(eps, None)[0]
     n = len(tree.ids)  # one chain over the same nodes: later tokens see the retracted ones too
-    leaky = R._Tree(tree.ids, [i - 1 for i in range(n)], list(range(n)), tree.targets, [list(range(n))])
+    leaky = R.TokenTree(tree.ids, [i - 1 for i in range(n)], list(range(n)), tree.targets, [list(range(n))])
     out_ok = [[None] * len(eps[0].turns)]
     out_bad = [[None] * len(eps[0].turns)]
     with torch.no_grad():
-        R._score_trees(model, [tree], out_ok, 1.0, "cpu")
-        R._score_trees(model, [leaky], out_bad, 1.0, "cpu")
+        R.score_trees(model, [tree], out_ok, 1.0, "cpu")
+        R.score_trees(model, [leaky], out_bad, 1.0, "cpu")
     last = len(eps[0].turns) - 1
     assert torch.allclose(out_ok[0][0], out_bad[0][0], atol=1e-5)  # before any delete: the same context
     assert not torch.allclose(out_ok[0][last], out_bad[0][last], atol=1e-3)
@@ -131,7 +131,7 @@ def test_group_tree_shares_the_prompt(model):
     assert len(trees[0].ids) < 0.6 * n_branch_tokens
     out = [[None] * len(e.turns) for e in eps]
     with torch.no_grad():
-        R._score_trees(model, trees, out, 1.0, "cpu")
+        R.score_trees(model, trees, out, 1.0, "cpu")
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(out[e][ti], torch.tensor(t.logprobs), atol=1e-4)
