@@ -1193,7 +1193,7 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
     prompt_chars = {id(b): len(sandbox.prompt_messages(b.index.text)[1]["content"]) + len(sandbox.SYSTEM_PROMPT)
                     for b in builders}
     eps = drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
-                           context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
+                          context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
     for b, ep in zip(builders, eps):  # character ids are not a tokenisation: keep the text record only
         for t in ep.turns:
             t.ids = t.logprobs = t.inj_ids = t.prune = None

@@ -242,7 +242,8 @@ def cfg_for(tiny, traces, tmp_path, **over):
 def test_sft_and_rl_start_from_init_the_same_way(tiny, traces, tmp_path):
     """One init-to-adapter loader (modeling.load_from_init) serves sft.py and rl.py: a
     missing init names the key in both (SFT once fell through to loading it as a model
-    name), full weights become the base, an adapter directory is continued."""
+    name) and full weights become the base; that an adapter directory is continued, and
+    kept as the reference, is tests/test_rl.py's reference-adapter test."""
     import rl
 
     cfg = cfg_for(tiny, traces, tmp_path, init=str(tmp_path / "nope"))
