@@ -10,12 +10,9 @@
   into train / eval / never-touch pools, stratified by bucket, seeded, written as a
   frozen manifest whose content hashes every later reader checks (`pool_documents`).
 
-The built-in news world lives in `newsworld.py` (the generator) and `oracle.py`
-(its fact checker and faulty drafter); this module imports neither, except in the
-command line below, which fronts them all:
+The built-in news world (newsworld/) writes its articles in this record and
+sits above this module, which imports nothing of it. The command line:
 
-    python data.py newsworld --n 1000 --seed 0 --out out/world.jsonl
-    python data.py stats out/world.jsonl
     python data.py load --jsonl raw.jsonl --map text=article,summary=highlights --out docs.jsonl
     python data.py load --hf cnn_dailymail --split validation --limit 500 --out cnn.jsonl
     python data.py split --docs out/world.jsonl --out out/split.json
@@ -36,14 +33,13 @@ import os
 import random
 import re
 import sys
-import time
 import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 
-import textsplit
+from factual_tools import textsplit
 
 DOC_VERSION = 1  # version of the Document JSONL record
 MANIFEST_VERSION = 1  # version of the split manifest
@@ -615,40 +611,6 @@ def check_split(manifest: dict, docs: Sequence[Document] | None = None) -> dict:
 # ===========================================================================
 
 
-def _cmd_newsworld(args) -> int:
-    import newsworld
-
-    t0 = time.perf_counter()
-    docs = newsworld.documents(args.n, args.seed, start=args.start, retell_rate=args.retell_rate)
-    if args.out == "-":
-        n = 0
-        for d in docs:
-            sys.stdout.write(dumps(d) + "\n")
-            n += 1
-    else:
-        n = write_jsonl(args.out, docs)
-    print(f"newsworld: {n} documents (seed {args.seed}) -> {args.out} in {time.perf_counter() - t0:.2f}s",
-          file=sys.stderr)
-    return 0
-
-
-def _cmd_stats(args) -> int:
-    from oracle import world_stats
-
-    t0 = time.perf_counter()
-    report = LoadReport()
-    docs = list(load_jsonl(args.path, mapping=args.map, limit=args.limit, skip_bad=args.skip_bad, report=report))
-    stats = world_stats(docs, draft_seed=args.seed) if not args.no_drafts else world_stats(
-        [dataclasses.replace(d, facts=[]) for d in docs])
-    if report.n_bad:
-        stats["skipped_lines"] = report.n_bad
-    stats["seconds"] = round(time.perf_counter() - t0, 2)
-    for k, v in stats.items():
-        print(f"{k:>22}: {json.dumps(v)}")
-    print(json.dumps(stats))
-    return 0
-
-
 def _cmd_load(args) -> int:
     report = LoadReport()
     if args.hf:
@@ -694,23 +656,8 @@ def _cmd_split(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI. A new command adds a subparser here and a handler to COMMANDS."""
-    p = argparse.ArgumentParser(prog="data.py", description="Documents: the news world, loaders, stats, splits.")
+    p = argparse.ArgumentParser(prog="data.py", description="Documents: loaders and leak-guarded splits.")
     sub = p.add_subparsers(dest="command", required=True)
-
-    nw = sub.add_parser("newsworld", help="write the built-in news world as Document JSONL")
-    nw.add_argument("--n", type=int, default=1000, help="number of articles")
-    nw.add_argument("--seed", type=int, default=0, help="world seed: same seed, same bytes")
-    nw.add_argument("--start", type=int, default=0, help="index of the first article")
-    nw.add_argument("--retell-rate", type=float, default=0.08, help="share of articles retelling an earlier event")
-    nw.add_argument("--out", default="-", help="output JSONL file ('-' for stdout)")
-
-    st = sub.add_parser("stats", help="counts, length distributions, drafter/oracle agreement")
-    st.add_argument("path", help="Document JSONL file")
-    st.add_argument("--seed", type=int, default=0, help="drafter seed")
-    st.add_argument("--no-drafts", action="store_true", help="lengths and counts only")
-    st.add_argument("--map", default=None, help="field mapping for foreign JSONL, e.g. text=article")
-    st.add_argument("--limit", type=int, default=None)
-    st.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed lines")
 
     ld = sub.add_parser("load", help="convert JSONL (with a field mapping) or a HF dataset to Document JSONL")
     src = ld.add_mutually_exclusive_group(required=True)
@@ -737,8 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS: dict[str, Callable] = {"newsworld": _cmd_newsworld, "stats": _cmd_stats, "load": _cmd_load,
-                                 "split": _cmd_split}
+COMMANDS: dict[str, Callable] = {"load": _cmd_load, "split": _cmd_split}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,15 +41,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import common
-import settings
-import modeling
-import eval as evaluation  # shadows the builtin in this namespace only
 import rewards
-import rl
-import rollout
 import sandbox
-import sft
+from factual_tools import common, evaluation, modeling, rollout, settings, training
 
 
 @dataclass
@@ -261,7 +255,7 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
 def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
     """How many positions of `ep` the KD term covers: its generated ids, or with
     `prompt` every position of every branch that predicts a next id."""
-    return sum(len(b.input_ids) - 1 for b in ep.branches()) if prompt else sft.n_generated(ep)
+    return sum(len(b.input_ids) - 1 for b in ep.branches()) if prompt else training.n_generated(ep)
 
 
 def distill_loss(student, teacher, episodes, n_tokens: int, kd_weight: float, temperature: float,
@@ -273,7 +267,7 @@ def distill_loss(student, teacher, episodes, n_tokens: int, kd_weight: float, te
     of them; `n_tokens` when 0). KD compares the first `vocab` logits (heads
     padded past the vocabulary differ)."""
     if kd_weight <= 0:
-        ce = sft.sequence_loss(student, episodes, n_tokens, max_batch_tokens)
+        ce = training.sequence_loss(student, episodes, n_tokens, max_batch_tokens)
         return ce, ce.item(), math.nan
     s_logits, targets, gen = generated_logits(student, episodes, max_batch_tokens, prompt)
     with torch.no_grad():
@@ -420,8 +414,10 @@ def load_student(cfg: Config, run_dir: Path, teacher_tok):
     if cfg.keep_every > 1:
         init = pruned_teacher(cfg.teacher, cfg.keep_every, run_dir / "student_init", mcfg)
         mcfg = dataclasses.replace(mcfg, name_or_path=str(init), adapter_path=None)
-    elif mcfg.name_or_path in modeling.TINY_PRESETS and not Path(mcfg.name_or_path).exists():
-        init = modeling.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
+    elif mcfg.name_or_path.startswith("tiny-") and not Path(mcfg.name_or_path).exists():
+        from newsworld import tiny  # a tiny preset: the built-in world builds it over the teacher's vocabulary
+
+        init = tiny.build_tiny_model(mcfg.name_or_path, run_dir / "student_init", cfg.seed, tokenizer=teacher_tok)
         mcfg = dataclasses.replace(mcfg, name_or_path=str(init))
     return modeling.load_policy(mcfg, train=True)
 
@@ -440,9 +436,9 @@ def main(cfg: Config) -> dict:
 
     # -- documents, teacher, teacher episodes -----------------------------------
     if not Path(cfg.data.docs).exists():
-        raise SystemExit(f"data.docs={cfg.data.docs}: no such file (write it with `python data.py newsworld "
+        raise SystemExit(f"data.docs={cfg.data.docs}: no such file (write it with `python -m newsworld generate "
                          f"--n 1000 --seed 0 --out {cfg.data.docs}` and split it with `python data.py split`)")
-    train_docs, _, how = rl.load_documents(rl.DataConfig(train=cfg.data.docs, split=cfg.data.split))
+    train_docs, _, how = training.load_documents(training.DataConfig(train=cfg.data.docs, split=cfg.data.split))
     if cfg.data.max_train_docs:
         train_docs = train_docs[:cfg.data.max_train_docs]
     if not train_docs:
@@ -471,18 +467,18 @@ def main(cfg: Config) -> dict:
     if kd_weight <= 0:
         teacher = None  # not needed until the comparison, which loads it again
     same = same_vocabulary(t_tok, tok)
-    train, skipped = sft.tokenize_episodes(make_targets(episodes, cfg.target, same), tok, cfg.data.max_tokens)
+    train, skipped = training.tokenize_episodes(make_targets(episodes, cfg.target, same), tok, cfg.data.max_tokens)
     if not train:
         raise SystemExit(f"every target is longer than data.max_tokens={cfg.data.max_tokens}")
     checked = rollout.validate_masks(train, tok, cfg.mask_check, cfg.seed)
     print(f"targets ({cfg.target}): {len(train)} ({skipped} over {cfg.data.max_tokens} tokens skipped), "
-          f"{statistics.fmean(map(sft.n_generated, train)):.0f} generated tokens each; "
+          f"{statistics.fmean(map(training.n_generated, train)):.0f} generated tokens each; "
           f"mask validation on {checked}; student {common.count_parameters(model):,} parameters, "
           f"teacher {common.count_parameters(teacher) if teacher is not None else '-'}")
 
     # -- optimiser, resume --------------------------------------------------------
     lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]
-    micro_batch = sft.EpochBatches(train, lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed)
+    micro_batch = training.EpochBatches(train, lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
@@ -495,7 +491,7 @@ def main(cfg: Config) -> dict:
     t_last, tok_count, last = time.perf_counter(), 0, {}
     while step < cfg.steps:
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
-        n_tok = sum(sft.n_generated(e) for b in batches for e in b)
+        n_tok = sum(training.n_generated(e) for b in batches for e in b)
         n_kd = sum(kd_positions(e, cfg.kd.prompt) for b in batches for e in b)
 
         def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
@@ -504,8 +500,8 @@ def main(cfg: Config) -> dict:
                                             cfg.max_batch_tokens, cfg.kd.prompt, n_kd)
             return loss, {"ce": ce, "kd": kd}
 
-        loss_sum, terms, norm, lr = sft.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step,
-                                                       dist)
+        loss_sum, terms, norm, lr = training.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm,
+                                                            step, dist)
         step += 1
         tok_count += n_tok
         bar.update(1)

@@ -10,559 +10,30 @@ adapter (RL's `final/`). Documents are the leak-cluster manifest's `eval` pool (
 `never_touch` only when `pool=never_touch` is asked for); with `--compare A B ...` every directory
 sees the same documents and seeds. Every metric is defined in `evaluate`'s docstring.
 
-A served policy's episode log (serve.py) is read by `python eval.py --from-log LOG`, the same
-command as `python monitor.py LOG`: rolling pass rate, hallucination flags, tool use and latency.
+A served policy's episode log (serve.py) is read by `python monitor.py LOG`.
 
 Ablation `tools=no_search | no_delete | none` bans the tags at decode time (`TagBan`): the model is
 unchanged, it just cannot open the banned calls.
 
 Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR, "metrics": {...}}] in the order given, the
 config, the backends, the documents), report.md (a row per model, a column per metric, plus training
-curves), PNG plots and samples.html (greedy episodes in filter_traces.py's spot-check viewer).
+curves), PNG plots and samples.html (greedy episodes in the traces' spot-check viewer).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
-import common
-import settings
-import modeling
 import rewards
-import rollout
-import sandbox
-import textsplit
-
-TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
-                "none": ("<search", "</search", "<delete")}
-KS = (1, 2, 4, 8)
-
-
-@dataclass
-class Config:
-    name: str = "eval"  # run name: outputs go to runs_dir/name
-    runs_dir: str = "runs"
-    model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter) or a model preset; --compare overrides
-    base: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # dtype/quant/attention for loading
-    docs: str = "out/newsworld/docs.jsonl"  # Document JSONL
-    split: str = "out/newsworld/split.json"  # leak-cluster manifest ("" = every document of `docs`)
-    pool: Literal["eval", "never_touch"] = "eval"  # never_touch only when explicitly asked for
-    n_docs: int = 32  # the first n documents of the pool
-    n_samples: int = 8  # sampled rollouts per document for pass@k (0: no sampled pass, pass@k n/a)
-    temperature: float = 1.0  # of those samples
-    max_new_tokens: int = 160  # per episode, all turns together
-    batch_size: int = 64  # rows decoded together
-    latency_docs: int = 16  # documents timed at batch 1 (0 = skip)
-    tools: Literal["all", "no_search", "no_delete", "none"] = "all"  # decode-time ablation
-    reward: rewards.RewardConfig = field(default_factory=lambda: rewards.RewardConfig(factuality="oracle"))
-    limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
-    claim_tau: float = 0.5  # without an oracle: a claim scored below this is unsupported
-    html_samples: int = 8  # greedy episodes per model in samples.html
-    seed: int = 0
-    torch_threads: int = 0  # CPU threads for torch (0 = its default)
-    autocast: common.Autocast = "auto"  # bf16 decoding where the hardware has it natively, per model (common.choose_autocast)
-    # A trace corpus (filter_traces.py's train.jsonl): also score each model's delete decision
-    # teacher-forced on its first `decision_traces` traces (decision_probe_*; see decision_probe)
-    decision_corpus: str = ""
-    decision_traces: int = 80
-
-    def __post_init__(self):
-        if min(self.n_docs, self.max_new_tokens, self.batch_size) < 1 or self.n_samples < 0:
-            raise settings.ConfigError("n_docs, max_new_tokens and batch_size must be >= 1, n_samples >= 0")
-        if self.decision_traces < 1:
-            raise settings.ConfigError(f"decision_traces={self.decision_traces}: must be >= 1")
-        if self.latency_docs < 0 or self.temperature <= 0:
-            raise settings.ConfigError("latency_docs must be >= 0 and temperature > 0 (greedy is measured apart)")
-
-
-# ---------------------------------------------------------------------------
-# Pure pieces (distill.py and tests import these)
-# ---------------------------------------------------------------------------
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c pass: 1 - C(n-c, k) / C(n, k)
-    (Chen et al. 2021), the chance that k draws without replacement hold a pass."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def rouge(preds: list[str], refs: list[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/L F1 of prediction/reference pairs (rouge-score, stemmed); NaN without pairs."""
-    from rouge_score import rouge_scorer
-
-    keys = ("rouge1", "rouge2", "rougeL")
-    if len(preds) != len(refs):
-        raise ValueError(f"{len(preds)} predictions for {len(refs)} references")
-    if not preds:
-        return dict.fromkeys(keys, math.nan)
-    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=True)
-    scores = [scorer.score(r, p) for p, r in zip(preds, refs)]  # score(target, prediction)
-    return {k: float(np.mean([s[k].fmeasure for s in scores])) for k in keys}
-
-
-def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) -> tuple[list[int], list]:
-    """Unsupported claims per summary, and the oracle's error labels (None per
-    summary without an oracle). On the news world (every document has a fact
-    table) the oracle counts; otherwise the claims of `scores` (from
-    `rewards.score_batch`) that the backend scored below `cfg.claim_tau`."""
-    if all(getattr(d, "facts", None) for d in docs):
-        import oracle
-
-        labelled = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
-        errors = [s["claims"] if labelled else oracle.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
-        return [len(e) for e in errors], errors
-    counts = [len(unsupported_claims(s, cfg.claim_tau)) for s in scores]
-    return counts, [None] * len(counts)
-
-
-def unsupported_claims(score: dict, tau: float) -> list[str]:
-    """The claims of a `rewards.score` result that its backend scored below `tau`."""
-    return [c.get("claim", "") for c in score.get("claims") or [] if float(c.get("score", 1.0)) < tau]
-
-
-def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list[bool]:
-    """For each delete of `ep` that retracted text: did that text hold an oracle error?
-
-    The retracted text is the tail of the summary's last sentence at the time
-    of the delete (the whole sentence, or its last clause). That summary is
-    rebuilt by replaying the output up to the delete tag; the sentence is
-    checked by the oracle, and the delete counts when an error span overlaps
-    the retracted tail."""
-    import oracle
-
-    out, before = [], ""
-    for t in ep.turns:
-        c = t.call
-        if c is not None and c.kind == "delete" and c.deleted:
-            summary = sandbox.replay(ep.document, before + t.text[:c.start], **(limits or {})).summary
-            sentences = textsplit.split_sentences(summary)
-            gone = " ".join(c.deleted.split())
-            last = sentences[-1] if sentences else gone
-            start = len(last) - len(gone) if last.endswith(gone) else 0
-            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in oracle.oracle_errors(doc, last)]
-            out.append(any(i >= 0 and i + n > start for i, n in spans))
-        before += t.text + t.injected
-    return out
-
-
-def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> list[dict]:
-    """One record per summary sentence the policy wrote, retracted ones included,
-    in the order written, with what the policy did right after it (news world):
-
-    - `text`, `index` (its position in the summary), `wrong` (the oracle finds an error);
-    - `searched`, `deleted`: a search / delete call followed it before the next sentence;
-    - `found`: some search after it returned an article sentence that states the
-      fact it is about (`oracle.oracle_support`), None when it is about no fact;
-    - `rewrite_wrong`: for a deleted sentence, whether the sentence written in its
-      place is wrong (None when nothing was written there).
-
-    A call belongs to the last sentence of the summary just before the call (the
-    episode replayed up to the call); a delete retracts that sentence."""
-    import oracle
-
-    events: list[dict] = []
-    before = ""
-    for t in ep.turns:
-        c = t.call
-        if c is not None:
-            snapshot = textsplit.split_sentences(sandbox.replay(ep.document, before + t.text[:c.start],
-                                                              **(limits or {})).summary)
-            if snapshot:
-                idx, text = len(snapshot) - 1, snapshot[-1]
-                cur = events[-1] if events else None
-                if cur is None or cur["deleted"] or (cur["index"], cur["text"]) != (idx, text):
-                    cur = {"index": idx, "text": text, "searched": False, "deleted": False, "hits": []}
-                    events.append(cur)
-                if c.kind == "search" and c.valid:
-                    cur["searched"] = True
-                    cur["hits"] += c.hits or []
-                elif c.kind == "delete" and c.valid and c.deleted:
-                    cur["deleted"] = True
-        before += t.text + t.injected
-    final = textsplit.split_sentences(ep.summary)
-    kept = {(e["index"], e["text"]) for e in events if not e["deleted"]}
-    events += [{"index": i, "text": s, "searched": False, "deleted": False, "hits": []}
-               for i, s in enumerate(final) if (i, s) not in kept]
-    for e in events:
-        e["wrong"] = bool(oracle.oracle_errors(doc, e["text"]))
-        support = oracle.oracle_support(doc, e["text"])
-        e["found"] = bool(set(support) & set(e["hits"])) if support and e["searched"] else None
-    for k, e in enumerate(events):
-        if e["deleted"]:
-            nxt = next((x for x in events[k + 1:] if x["index"] == e["index"]), None)
-            e["rewrite_wrong"] = None if nxt is None else nxt["wrong"]
-    return events
-
-
-def auc(scores_pos: Sequence[float], scores_neg: Sequence[float]) -> float:
-    """P(a positive outscores a negative), ties counting half (the Mann-Whitney AUC); NaN if a side is empty."""
-    if not scores_pos or not scores_neg:
-        return math.nan
-    neg = np.sort(np.asarray(scores_neg, dtype=float))
-    below = np.searchsorted(neg, scores_pos, side="left")
-    ties = np.searchsorted(neg, scores_pos, side="right") - below
-    return float((below + 0.5 * ties).sum() / (len(scores_pos) * len(neg)))
-
-
-def tool_decision(events: Sequence[dict]) -> dict[str, float]:
-    """The tool decision over written sentences: search and delete rates after a
-    wrong vs a right sentence, the AUC of the decision (0 nothing, 1 search only,
-    2 delete) as a detector of wrong sentences, how often a search found the
-    sentence stating the fact it checks, and evidence use: after such a search,
-    how often the sentence written in place of a deleted one is right."""
-    wrong = [e for e in events if e["wrong"]]
-    right = [e for e in events if not e["wrong"]]
-    score = lambda e: 2.0 if e["deleted"] else 1.0 if e["searched"] else 0.0  # noqa: E731
-    used = [not e["rewrite_wrong"] for e in events
-            if e["deleted"] and e["found"] and e.get("rewrite_wrong") is not None]
-    return {
-        "tool_auc": auc([score(e) for e in wrong], [score(e) for e in right]),
-        "search_after_wrong": common.mean(e["searched"] for e in wrong),
-        "search_after_right": common.mean(e["searched"] for e in right),
-        "delete_after_wrong": common.mean(e["deleted"] for e in wrong),
-        "delete_after_right": common.mean(e["deleted"] for e in right),
-        "search_found_fact": common.mean(e["found"] for e in events if e["found"] is not None),
-        "evidence_use": common.mean(used),
-        "sentences_written": float(len(events)),
-        "wrong_written": common.mean(e["wrong"] for e in events),
-    }
-
-
-def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[list], limits: dict | None = None
-                       ) -> dict[str, float]:
-    """The oracle's view of greedy episodes: fact precision (supported names,
-    numbers and dates over those stated), the share of summaries stating none
-    (`no_fact_rate`), the tool decision (`tool_decision`),
-    and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
-    import oracle
-
-    stated = [oracle.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
-    out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
-           "facts_stated": common.mean(len(fs) for fs in stated),
-           # a summary stating nothing has no wrong fact: precision must be read beside this share
-           "no_fact_rate": common.mean(not fs for fs in stated)}
-    out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))
-    for fam in sorted({d.bucket for d in docs}):
-        idx = [i for i, d in enumerate(docs) if d.bucket == fam]
-        out[f"fam_{fam}_fact_precision"] = common.mean(f["supported"] for i in idx for f in stated[i])
-        out[f"fam_{fam}_hallucination"] = common.mean(bool(errors[i]) for i in idx)
-    return out
-
-
-class TagBan:
-    """`rollout.rollout` logits processor that keeps banned tag openings out of the text.
-
-    A token is banned when, appended to what the row has written, it would
-    complete a banned opening (`<search`, `</search`, `<delete`) or extend a
-    started one to two or more of its characters: so `<` alone may still be
-    written, `<s` (in one token or two) may not, and neither may any token that
-    carries the whole opening. That depends only on how much of the opening the
-    text already ends with, so one vocabulary mask per (tag, progress) is
-    computed once and reused."""
-
-    def __init__(self, tokenizer, tags: Sequence[str]):
-        self.codec = sandbox.Codec(tokenizer)
-        self.n_tokens = len(tokenizer)
-        self.tags = tuple(tags)
-        self.tail_tokens = 2 * max((len(t) for t in self.tags), default=1)  # >= 1 character per token
-        self._masks: dict[tuple, torch.Tensor] = {}
-
-    @staticmethod
-    def banned(tag: str, written: str, piece: str) -> bool:
-        """Would writing `piece` after `written` complete or extend an opening of `tag`?"""
-        if not piece:
-            return False
-        text = written[-len(tag):] + piece
-        if tag in text[max(0, len(text) - len(piece) - len(tag) + 1):]:
-            return True
-        return any(text.endswith(tag[:m]) for m in range(2, len(tag)))
-
-    @staticmethod
-    def progress(tag: str, text: str) -> int:
-        """Length of the longest proper prefix of `tag` that `text` ends with."""
-        return next((j for j in range(len(tag) - 1, 0, -1) if text.endswith(tag[:j])), 0)
-
-    def mask(self, states: tuple[int, ...], vocab: int, device) -> torch.Tensor:
-        key = (states, vocab)
-        if key not in self._masks:
-            m = torch.zeros(vocab, dtype=torch.bool)
-            for tag, j in zip(self.tags, states):
-                sub = (tag, j, vocab)
-                if sub not in self._masks:
-                    self._masks[sub] = torch.tensor([i < self.n_tokens and self.banned(tag, tag[:j], self.codec.piece(i))
-                                                     for i in range(vocab)], dtype=torch.bool)
-                m |= self._masks[sub]
-            self._masks[key] = m
-        return self._masks[key].to(device)
-
-    def __call__(self, rows, logits: torch.Tensor) -> torch.Tensor:
-        for i, row in enumerate(rows):
-            tail = "".join(self.codec.piece(t) for t in row.builder.context_ids()[-self.tail_tokens:])
-            states = tuple(self.progress(tag, tail) for tag in self.tags)
-            logits[i, self.mask(states, logits.shape[-1], logits.device)] = -math.inf
-        return logits
-
-
-def tool_processor(tokenizer, tools: str) -> TagBan | None:
-    """The decode-time ablation of `tools` (None when every tool is allowed)."""
-    return TagBan(tokenizer, TOOLS_BANNED[tools]) if TOOLS_BANNED[tools] else None
-
-
-# ---------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------
-
-
-def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: str) -> list[sandbox.Episode]:
-    """rollout.rollout over chunks of documents (one batch each), with a progress bar."""
-    per = max(1, scfg.batch_size // group)
-    eps: list[sandbox.Episode] = []
-    with tqdm(total=len(docs), desc=what, unit="doc", leave=False) as bar:
-        for s in range(0, len(docs), per):
-            eps += rollout.rollout(model, tok, docs[s:s + per], group, scfg, limits, logits_processor=ban,
-                                   generator=generator)
-            bar.update(len(docs[s:s + per]))
-    return eps
-
-
-def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, rollout.SamplingConfig, TagBan | None]:
-    """What an evaluation decodes under: the sandbox limits, the greedy sampling
-    settings and the decode-time tool ban (None when every tool is allowed)."""
-    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                    seed=cfg.seed)
-    return sandbox.Limits.make(**cfg.limits), greedy, tool_processor(tokenizer, cfg.tools)
-
-
-def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
-                setup: tuple | None = None) -> tuple[dict, list, list, list]:
-    """Greedy rollouts of `documents` and their figures, as (figures, episodes,
-    scores, oracle errors or None per document): the held-out evaluation that
-    sft.py and rl.py log during training, and the first part of `evaluate`.
-    `generate(documents)`, if given, makes the episodes instead of the hf rollouts
-    (rl.py: its own sampler, which may be vLLM, under its sampling settings).
-    `setup` is `decoding(tokenizer, cfg)` when the caller already has it."""
-    docs = list(documents)
-    if not docs:
-        raise ValueError("no documents to evaluate")
-    if generate is not None:
-        eps = generate(docs)
-    else:
-        limits, greedy, ban = setup or decoding(tokenizer, cfg)
-        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban, None, "greedy")
-    news = all(getattr(d, "facts", None) for d in docs)
-    out: dict[str, float] = {}
-    scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
-    pairs = [(e.summary, d.summary) for d, e in zip(docs, eps) if getattr(d, "summary", "")]
-    out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
-    for k in ("factuality", "pass", "total", "rules", "rules_pass"):
-        out[k] = common.mean(float(s[k]) for s in scores)
-    for k in scores[0]:
-        if k.startswith("rule_") and k.endswith("_pass"):
-            out[k] = common.mean(float(s[k]) for s in scores)
-    counts, errors = error_counts(docs, [e.summary for e in eps], scores, cfg)
-    out["hallucination_rate"] = common.mean(c > 0 for c in counts)
-    out["errors_per_summary"] = common.mean(counts)
-    ts = sandbox.tool_stats(eps)
-    out.update(valid_call_rate=ts["valid_call_rate"], valid_episode_rate=ts["valid_episode_rate"],
-               searches=ts["searches_per_episode"], deletes=ts["deletes_per_episode"])
-    hits = [h for d, e in zip(docs, eps) for h in deleted_errors(d, e, cfg.limits)] if news else []
-    out["deletes_removing_error"] = common.mean(hits)
-    if news:
-        out.update(news_world_metrics(docs, eps, errors, cfg.limits))
-    out["tau"] = float(scores[0]["tau"])
-    out["news_world"] = float(news)
-    out["len_tokens"] = common.mean(sum(len(t.ids) for t in e.turns) for e in eps)  # generated, all turns
-    out["len_words"] = common.mean(len(e.summary.split()) for e in eps)  # of the final summary
-    out["emission"] = common.mean(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps)
-    return out, eps, scores, errors
-
-
-SHOWN = ("loss", "total", "pass", "factuality", "fact_precision", "hallucination_rate", "tool_auc", "searches",
-         "deletes", "valid_call_rate", "len_tokens")  # the figures a training run prints at each evaluation
-
-
-def log_eval(run, step: int, figures: dict) -> None:
-    """A training run's held-out figures: all of them to metrics.jsonl and the trackers, those in SHOWN printed."""
-    run.metrics.write(step=step, **figures)
-    run.track(step, figures)
-    shown = {k: v for k, v in figures.items() if k.removeprefix("eval_") in SHOWN}
-    print(f"eval step {step}: " + " | ".join(f"{k} {v:.4g}" for k, v in shown.items()), flush=True)
-
-
-def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None) -> dict:
-    """Every metric of one model on `documents`, as a flat dict of floats (NaN
-    where not computable). `keep`, if given, receives (document, greedy episode,
-    score, oracle errors or None) per document, for samples and inspection.
-
-    Per model (greedy decoding, temperature 0, unless stated):
-    - ROUGE-1/2/L F1 against the reference summary (rouge-score, Porter stemmer).
-    - Factuality F from `reward.factuality` (oracle | lexical | fenice, named as
-      `rewards.BACKEND_NAMES` does), each rule's pass rate, pass (F >= tau and every
-      rule; tau is the curriculum's first, so runs compare), mean total reward.
-    - Hallucination: a summary hallucinates when it makes at least one unsupported
-      claim. On the news world (documents with a fact table) the oracle decides,
-      whatever the reward backend: one error = one `oracle.oracle_errors` label (a
-      wrong entity, number, date, polarity or predicate, or a sentence no fact
-      supports). Elsewhere a claim is unsupported when the backend scores it below
-      `claim_tau` (lexical: summary sentences; FENICE: extracted claims), so the
-      rate depends on the backend and the report says which one counted.
-    - Tool use: valid call rate (syntax), valid episode rate, searches and deletes
-      per summary, and (news world) the share of deletes whose retracted text held
-      an oracle error: the precision of the delete decision.
-    - pass@k, k in 1, 2, 4, 8: the unbiased estimator 1 - C(n-c, k) / C(n, k) of
-      Chen et al. (2021) from `n_samples` rollouts per document at `temperature`,
-      averaged over documents. k > n is not estimable and reported as n/a.
-    - Latency per summary (p50, p95, ms): wall clock of one document's whole
-      episode (tools included) at batch 1, over `latency_docs` documents, after one
-      untimed warm-up; tokens/s over the same episodes.
-    Metrics that cannot be computed (no calls, no oracle, no references) are NaN:
-    null in eval.json, "n/a" in the report.
-    """
-    docs = list(documents)
-    setup = decoding(tokenizer, cfg)  # one tool ban (and its mask cache) for every pass below
-    limits, greedy, ban = setup
-    out, eps, scores, errors = greedy_eval(model, tokenizer, docs, cfg, setup=setup)
-
-    # -- sampled: pass@k ------------------------------------------------------
-    n = cfg.n_samples
-    sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
-    gen = rollout.make_generator(cfg.seed, model)  # the same draws for every model compared
-    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}") if n else []
-    s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
-    passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))] if n else []
-    for k in KS:
-        out[f"pass_at_{k}"] = common.mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
-    out["pass_sampled"] = common.mean(float(s["pass"]) for s in s_scores)
-
-    # -- latency at batch 1 -----------------------------------------------------
-    one = dataclasses.replace(greedy, batch_size=1)
-    lat_docs = docs[:cfg.latency_docs]
-    times, tokens = [], 0
-    if lat_docs:
-        rollout.rollout(model, tokenizer, lat_docs[:1], 1, one, limits, logits_processor=ban)  # warm-up
-    for d in tqdm(lat_docs, desc="latency", unit="doc", leave=False):
-        t0 = time.perf_counter()
-        (ep,) = rollout.rollout(model, tokenizer, [d], 1, one, limits, logits_processor=ban)
-        times.append(time.perf_counter() - t0)
-        tokens += sum(len(t.ids) for t in ep.turns)
-    out["latency_p50_ms"] = float(np.percentile(times, 50) * 1e3) if times else math.nan
-    out["latency_p95_ms"] = float(np.percentile(times, 95) * 1e3) if times else math.nan
-    out["tok_s"] = tokens / sum(times) if times else math.nan
-    out["n_docs"] = float(len(docs))
-
-    if keep is not None:
-        keep += list(zip(docs, eps, scores, errors))
-    return out
-
-
-def missing_model_hint(path: str) -> str:
-    rl = any(part.startswith("rl") for part in Path(path).parts)
-    how = "python rl.py --config configs/tiny.yaml" if rl else "python sft.py --config configs/sft_tiny.yaml"
-    return (f"model directory {path} does not exist: train it first, e.g. `{how}` (SFT runs save "
-            "full weights in runs/NAME/final, RL runs an adapter)")
-
-
-def load_model(path: str, cfg: Config):
-    if not Path(path).is_dir():
-        raise SystemExit(missing_model_hint(path))
-    model, tok = modeling.load_trained(path, train=False, base=cfg.base)
-    model.eval()
-    return model, tok
-
-
-def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None,
-                 traces: Sequence[sandbox.Episode] = ()) -> dict:
-    """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it;
-    with `traces`, its `decision_probe` on them too."""
-    model, tok = load_model(path, cfg)
-    dev = next(model.parameters()).device.type
-    print(f"{path}: {common.choose_autocast(cfg.autocast, dev, common.hidden_size(model))[1]}")
-    with common.autocast_for(cfg.autocast, model):
-        out = evaluate(model, tok, documents, cfg, keep)
-        return {**out, **decision_probe(model, tok, traces)} if traces else out
-
-
-DELETE_CALL = '<delete scope="sentence"/>'
-
-
-def decision_probe(model, tok, traces: Sequence[sandbox.Episode]) -> dict[str, float]:
-    """The delete decision teacher-forced on traces: after every search that another turn
-    follows, log P(DELETE_CALL) under the context the trace gives (its canonical
-    tokenisation, as SFT trains on it), and that score's AUC as a detector of the searches
-    the trace deletes after (in a filtered corpus, its wrong sentences). It isolates the
-    decision from the policy's own writing: near 0.5 here, the policy cannot tell a wrong
-    sentence from a right one even on the traces' own; high here and low in `tool_auc`,
-    it can but its rollouts do not act on it."""
-    call = sandbox.as_codec(tok).encode(DELETE_CALL)
-    dev = next(model.parameters()).device
-    wrong, right = [], []
-    with torch.no_grad():
-        for ep in tqdm(traces, desc="decision probe", unit="trace", leave=False):
-            te = ep.tokenized(tok)
-            for ctx, nxt, decides in zip(te.contexts(), te.turns, sandbox.decision_turns(te)):
-                if not decides:
-                    continue
-                ids = torch.tensor([ctx + call], device=dev)
-                logp = torch.log_softmax(model(ids).logits[0, len(ctx) - 1:-1].float(), -1)
-                score = logp.gather(1, ids[0, len(ctx):, None]).sum().item()
-                deletes = nxt.call is not None and nxt.call.kind == "delete" and not nxt.text[:nxt.call.start].strip()
-                (wrong if deletes else right).append(score)
-    return {"decision_probe_auc": auc(wrong, right), "decision_probe_deletes": len(wrong),
-            "decision_probe_keeps": len(right), "decision_probe_after_wrong": common.mean(wrong),
-            "decision_probe_after_right": common.mean(right)}
-
-
-def load_decision_traces(cfg: Config) -> list[sandbox.Episode]:
-    """The first `decision_traces` traces of `decision_corpus` (none when it is unset)."""
-    if not cfg.decision_corpus:
-        return []
-    if not Path(cfg.decision_corpus).exists():
-        raise SystemExit(f"decision_corpus={cfg.decision_corpus}: no such file (a trace corpus, written by "
-                         "`python filter_traces.py --config configs/filter_smollm.yaml`: out/corpus/smollm/train.jsonl)")
-    try:
-        return sandbox.read_episodes(cfg.decision_corpus)[:cfg.decision_traces]
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def load_eval_documents(cfg: Config) -> list:
-    """The held-out documents: the `pool` of the split manifest, in the docs
-    file's order, the first `n_docs`; every one checked against the manifest's
-    content hash (a changed document is not the one the split froze)."""
-    import data
-
-    if not Path(cfg.docs).exists():
-        raise SystemExit(f"docs={cfg.docs}: no such file (write it with `python synth_traces.py --config "
-                         f"configs/synth_newsworld.yaml`, or `python data.py newsworld --n 1000 --seed 0 "
-                         f"--out {cfg.docs}`)")
-    docs = data.read_documents(cfg.docs)
-    if not cfg.split:
-        return docs[:cfg.n_docs]
-    if not Path(cfg.split).exists():
-        raise SystemExit(f"split={cfg.split}: no such file (make it with `python data.py split --docs {cfg.docs} "
-                         f"--out {cfg.split}`, or set split='' to use every document)")
-    try:
-        held = data.pool_documents(docs, data.read_manifest(cfg.split), cfg.pool, cfg.split)[:cfg.n_docs]
-    except (data.DataError, data.LeakError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if not held:
-        raise SystemExit(f"no document of {cfg.docs} is in the {cfg.pool!r} pool of {cfg.split}: "
-                         "a split of other documents?")
-    return held
+from factual_tools import common, modeling, settings, traces
+from factual_tools.evaluation import (Config, KS, evaluate_dir, load_decision_traces, load_eval_documents,
+                                      missing_model_hint)
 
 
 # ---------------------------------------------------------------------------
@@ -686,15 +157,13 @@ def hallucination_source(cfg: Config, metrics: dict) -> str:
 
 def write_samples(run_dir, kept: dict[str, list], n: int) -> None:
     """samples.html: the first `n` greedy episodes of each model, oracle errors marked."""
-    import filter_traces
-
     samples = []
     for name, items in kept.items():
         for doc, ep, score, errors in items[:n]:
             ep.meta["trace_kind"] = f"{name} | F {score['factuality']:.2f} | pass {bool(score['pass'])}"
             ep.meta["id"] = f"{name}:{doc.id}"
             samples.append((ep, None if errors is None else [f"{e['type']}: {e['error_span']}" for e in errors]))
-    common.atomic_write_text(Path(run_dir) / "samples.html", filter_traces.render_html(samples, "eval samples"))
+    common.atomic_write_text(Path(run_dir) / "samples.html", traces.render_html(samples, "eval samples"))
 
 
 def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -722,7 +191,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         if not Path(p).is_dir():
             raise SystemExit(missing_model_hint(p))
     docs = load_eval_documents(cfg)
-    traces = load_decision_traces(cfg)
+    probe_traces = load_decision_traces(cfg)
     run = common.start_run(cfg)
     common.setup_compute(cfg.torch_threads, cfg.autocast, common.device())
     if cfg.pool != "eval":
@@ -736,7 +205,7 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         common.seed_everything(cfg.seed)
         t0 = time.perf_counter()
         kept[p] = []
-        results[p] = m = evaluate_dir(p, docs, cfg, kept[p], traces)
+        results[p] = m = evaluate_dir(p, docs, cfg, kept[p], probe_traces)
         print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in ("rouge1", "factuality", "fact_precision", "pass",
                                                                      "hallucination_rate", "valid_call_rate",
                                                                      "decision_probe_auc", "latency_p50_ms") if k in m)
@@ -755,10 +224,6 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
 
 
 if __name__ == "__main__":
-    if any(a.partition("=")[0] == "--from-log" for a in sys.argv[1:]):  # a served log: monitor.py's report
-        import monitor
-
-        raise SystemExit(monitor.cli(sys.argv[1:]))
     with settings.config_errors_exit():
         _argv, _compare = split_compare(sys.argv[1:])
         _cfg, _ = settings.parse_args(Config, _argv, flags=("--compare",))

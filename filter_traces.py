@@ -17,7 +17,6 @@ is its oracle.
 from __future__ import annotations
 
 import csv
-import html
 import io
 import json
 import math
@@ -31,15 +30,13 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-import common
-import settings
-import modeling
 import data
 import rewards
 import sandbox
-import textsplit
-from traces import read_traces, tfidf_cosine
-from teachers import body, correction_steps, oracle_flags
+from factual_tools import common, modeling, settings, textsplit
+from factual_tools.teachers import body, correction_steps, oracle_flags
+from factual_tools.traces import read_traces, tfidf_cosine
+from factual_tools.traces import render_html, shape, trace_id
 
 
 @dataclass
@@ -192,11 +189,6 @@ def written(ep: sandbox.Episode) -> str:
     return "".join(t.text for t in ep.turns)
 
 
-def shape(ep: sandbox.Episode) -> str:
-    """The tool-call shape: S for a search, D for a delete, in order."""
-    return "".join("S" if c.kind == "search" else "D" for c in ep.calls) or "-"
-
-
 def check_balance(eps: Sequence[sandbox.Episode]) -> dict:
     """The corpus's checks: searches, those a delete follows at once (corrections)
     and those the summary goes on after (search-only: the claim held), and the
@@ -229,7 +221,7 @@ def rank_key(ep: sandbox.Episode) -> tuple:
 
 def select_per_doc(eps: Sequence[sandbox.Episode], keep: int) -> list[sandbox.Episode]:
     """The best `keep` traces by `rank_key`; among equals, a shape not yet kept first."""
-    pool = sorted(eps, key=lambda e: (rank_key(e), _tid(e)), reverse=True)
+    pool = sorted(eps, key=lambda e: (rank_key(e), trace_id(e)), reverse=True)
     chosen: list[sandbox.Episode] = []
     while pool and len(chosen) < keep:
         shapes = {shape(e) for e in chosen}
@@ -237,10 +229,6 @@ def select_per_doc(eps: Sequence[sandbox.Episode], keep: int) -> list[sandbox.Ep
         chosen.append(best)
         pool.remove(best)
     return chosen
-
-
-def _tid(ep: sandbox.Episode) -> str:
-    return ep.meta.get("id") or f"{ep.doc_id}#?"
 
 
 def shingles(text: str, n: int) -> set[str]:
@@ -261,9 +249,9 @@ def dedup(eps: Sequence[sandbox.Episode], threshold: float = 0.9, num_perm: int 
         mh.update_batch([s.encode("utf-8") for s in sorted(shingles(written(ep), shingle))])
         dup = next((o for o in sorted(lsh.query(mh)) if mh.jaccard(sketches[o]) >= threshold), None)
         if dup is not None:
-            dropped[_tid(ep)] = dup
+            dropped[trace_id(ep)] = dup
             continue
-        key = f"{_tid(ep)}@{k}"  # ids should be unique; the position keeps LSH keys unique regardless
+        key = f"{trace_id(ep)}@{k}"  # ids should be unique; the position keeps LSH keys unique regardless
         lsh.insert(key, mh)
         sketches[key] = mh
         kept.append(ep)
@@ -349,71 +337,6 @@ def _generalise(reason: str) -> str:
     return reason.split(" (")[0]
 
 
-_CSS = """body{font:14px/1.5 system-ui,sans-serif;margin:2em auto;max-width:60em;color:#222}
-.trace{border:1px solid #ccc;border-radius:6px;padding:.8em 1em;margin:1.2em 0}
-.head{font-weight:600}.noise{color:#b00}.ok{color:#070}.meta{color:#666;font-size:12px}
-.call{background:#e3efff;border-radius:3px;font-family:monospace}.deltag{background:#ffe3e3;font-family:monospace}
-.results{background:#f2f2f2;color:#555;font-family:monospace;font-size:12px;border-radius:3px}
-del.gone{color:#a00}.summary{border-left:3px solid #7a7;padding-left:.6em}details{margin:.4em 0}"""
-
-
-def trace_pieces(ep: sandbox.Episode) -> list[tuple[str, str]]:
-    """(kind, text) pieces in order: text, deleted (struck), call, delete, results."""
-    pieces: list[list[str]] = []
-    for t in ep.turns:
-        b = body(t)
-        if b:
-            pieces.append(["text", b])
-        if t.call:
-            c = t.call
-            if c.kind == "delete" and c.deleted:
-                _strike(pieces, len("".join(c.deleted.split())))
-            pieces.append(["del" if c.kind == "delete" else "call", t.text[c.start:c.end]])
-            if c.end < len(t.text):
-                pieces.append(["text", t.text[c.end:]])
-        if t.injected:
-            pieces.append(["results", t.injected])
-    return [(k, v) for k, v in pieces]
-
-
-def _strike(pieces: list[list[str]], n: int) -> None:
-    """Mark the last `n` non-space characters of live text as deleted (splitting a piece if needed)."""
-    i = len(pieces) - 1
-    while n > 0 and i >= 0:
-        kind, text = pieces[i]
-        if kind == "text":
-            cut = len(text)
-            while cut > 0 and n > 0:
-                cut -= 1
-                n -= not text[cut].isspace()
-            pieces[i:i + 1] = ([["text", text[:cut]]] if cut else []) + [["deleted", text[cut:]]]
-        i -= 1
-
-
-def render_html(samples: Sequence[tuple[sandbox.Episode, list[str] | None]], title: str) -> str:
-    """A self-contained viewer; every piece of model or document text is HTML-escaped (it is untrusted)."""
-    e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
-    cls = {"text": None, "deleted": "gone", "call": "call", "del": "deltag", "results": "results"}
-    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_CSS}</style>"
-           f"</head><body><h1>{e(title)}</h1>"]
-    for k, (ep, noise) in enumerate(samples, 1):
-        mark = ("" if noise is None else f" <span class='noise'>noise: {e('; '.join(noise))}</span>" if noise
-                else " <span class='ok'>clean (oracle)</span>")
-        judge = (ep.meta.get("judge") or {}).get("score")
-        out.append(f"<div class='trace'><div class='head'>{k}. {e(_tid(ep))} &middot; "
-                   f"{e(ep.meta.get('trace_kind', '?'))}{mark}</div><div class='meta'>doc {e(ep.doc_id)} &middot; "
-                   f"{ep.n_search} searches, {ep.n_delete} deletes &middot; shape {e(shape(ep))} &middot; judge "
-                   f"{e(judge)} &middot; types {e(', '.join(ep.meta.get('error_types') or []) or '-')}</div>")
-        out.append(f"<details><summary>document</summary><p>{e(ep.document)}</p></details>")
-        parts = []
-        for kind, text in trace_pieces(ep):
-            tag = "del" if kind == "deleted" else "span"
-            parts.append(e(text) if cls[kind] is None else f"<{tag} class='{cls[kind]}'>{e(text)}</{tag}>")
-        out.append(f"<p>{''.join(parts)}</p><p class='summary'>{e(ep.summary)}</p></div>")
-    out.append("</body></html>")
-    return "\n".join(out)
-
-
 CSV_FIELDS = ["n", "trace_id", "doc_id", "kind", "n_search", "n_delete", "judge", "summary", "draft",
               "oracle_noise", "oracle_reasons", "verdict", "notes"]
 
@@ -423,7 +346,7 @@ def render_csv(samples: Sequence[tuple[sandbox.Episode, list[str] | None]]) -> s
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
     w.writeheader()
     for k, (ep, noise) in enumerate(samples, 1):
-        w.writerow({"n": k, "trace_id": _tid(ep), "doc_id": ep.doc_id, "kind": ep.meta.get("trace_kind", ""),
+        w.writerow({"n": k, "trace_id": trace_id(ep), "doc_id": ep.doc_id, "kind": ep.meta.get("trace_kind", ""),
                     "n_search": ep.n_search, "n_delete": ep.n_delete,
                     "judge": (ep.meta.get("judge") or {}).get("score"), "summary": ep.summary,
                     "draft": ep.meta.get("draft", ""), "oracle_noise": "" if noise is None else int(bool(noise)),
@@ -564,7 +487,7 @@ def main(cfg: Config) -> dict:
 
     eps = funnel.gate("factuality gain", eps, gained)
 
-    ranked = sorted(eps, key=lambda e: (rank_key(e), _tid(e)), reverse=True)
+    ranked = sorted(eps, key=lambda e: (rank_key(e), trace_id(e)), reverse=True)
     kept, dups = dedup(ranked, cfg.dedup_threshold, cfg.dedup_num_perm, cfg.dedup_shingle)
     eps = funnel.record("near-duplicates", len(eps), kept, Counter({"near-duplicate": len(dups)} if dups else {}))
 

@@ -1,7 +1,6 @@
 """Continuous evaluation of a served policy: rolling quality and latency from serve.py's episode log, with alerts.
 
     python monitor.py runs/serve/episodes.jsonl [--config configs/monitor.yaml] [key=value ...]
-    python eval.py --from-log runs/serve/episodes.jsonl        # the same command
 
 It reads the log and its rotated files (LOG.N ... LOG.1, then LOG: oldest first),
 cuts the episodes into consecutive windows of `window` (counted back from the
@@ -35,8 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-import common
-import settings
+from factual_tools import common, settings
 
 FIGURES = ("pass", "hallucination", "factuality", "searches", "deletes", "valid_calls", "p50_ms", "p95_ms")
 

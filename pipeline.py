@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import statistics
 import subprocess
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import common
+from factual_tools import common
 
 ROOT = Path(__file__).resolve().parent
 
@@ -88,7 +89,7 @@ def seeded(seed: int, *over: str) -> list[str]:
 
 DOCS, SPLIT = "out/newsworld/docs.jsonl", "out/newsworld/split.json"
 WORLD = [
-    Stage("docs", ["data.py", "newsworld", "--n", "1000", "--seed", "0", "--out", DOCS], DOCS),
+    Stage("docs", ["-m", "newsworld", "generate", "--n", "1000", "--seed", "0", "--out", DOCS], DOCS),
     Stage("split", ["data.py", "split", "--docs", DOCS, "--out", SPLIT], SPLIT),
 ]
 
@@ -360,8 +361,8 @@ _TINY_SFT = [*_TINY, "epochs=1", "data.limit=8", "data.max_tokens=2048", "batch_
              "eval.every=0", "eval.sample_every=0", "eval.n_docs=2", "eval.max_new_tokens=16",
              "reward.factuality=lexical", "save_every=0", "warmup_steps=0"]
 SMOKE = {  # stage -> (argv replacing the stage's, or None to keep it) and the overrides it adds
-    "docs": (["data.py", "newsworld", "--n", "40", "--seed", "0", "--out", CNN], []),
-    "eval_docs": (["data.py", "newsworld", "--n", "8", "--seed", "7", "--out", "out/cnn/eval.jsonl"], []),
+    "docs": (["-m", "newsworld", "generate", "--n", "40", "--seed", "0", "--out", CNN], []),
+    "eval_docs": (["-m", "newsworld", "generate", "--n", "8", "--seed", "7", "--out", "out/cnn/eval.jsonl"], []),
     "traces": (None, ["drafter.backend=newsworld", "drafter.drafts_per_doc=1", "annotator.api_base={api}",
                       "annotator.api_model=oracle", "annotator.retries=0", "judge.api_base={api}",
                       "judge.api_model=oracle", "judge.retries=0", "limit=12",
@@ -434,11 +435,13 @@ def run_stage(stage: Stage, cwd: Path, nproc: int = 1) -> float:
     rest = [str(ROOT / a) if a.startswith("configs/") else a for a in rest]
     how = launcher(stage, nproc)
     start = [sys.executable] if how == ["python"] else [sys.executable, "-m", "torch.distributed.run", *how[1:]]
-    cmd = [*start, str(ROOT / script), *rest]
+    # a script at the root, or `-m PACKAGE` (the news world's command line) found through PYTHONPATH
+    cmd = [*start, "-m", *rest] if script == "-m" else [*start, str(ROOT / script), *rest]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     shown = " ".join([*how, *stage.argv])
     print(f"\n=== {stage.label}: {shown}", flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.call(cmd, cwd=cwd)
+    rc = subprocess.call(cmd, cwd=cwd, env=env)
     if rc != 0:
         raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit {rc}); rerun it alone with\n"
                          f"  {shown}\nthen `python pipeline.py` continues from there")
@@ -715,7 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
         if any("{api}" in a for a in stage.argv):  # --smoke: the oracle teacher, started once the documents exist
             if server is None:
                 import data
-                import oracle_server
+                from newsworld import oracle_server
 
                 api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
             stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])

@@ -9,11 +9,12 @@ and its curriculum (DESIGN.md section 5).
 The gate and the pass bonus close the reward's holes (a reward must not pay for saying nothing): see
 `RewardConfig.gate`, and the audit table in the tests.
 
-`F` comes from the backend `RewardConfig.factuality` names: "fenice" (`fenice.py`; torch and two HF
-models, loaded lazily), "lexical" (model-free, built for the news world's errors; not FENICE),
-"support" (the default: model-free, for real text), "learned" (factcheck.py's logistic regression,
-weights from `reward.learned.path`) or "oracle" (the news world's fact table). Each is reported under
-its own name (`BACKEND_NAMES`), so an approximation is never reported as FENICE.
+`F` comes from the backend `RewardConfig.factuality` names: "fenice" (factual_tools/fenice.py; torch
+and two HF models, loaded lazily), "lexical" (model-free, built for the news world's errors; not
+FENICE), "support" (the default: model-free, for real text), "learned" (a logistic regression, trained
+by factual_tools/factcheck.py, weights from `reward.learned.path`) or "oracle" (the news world's fact
+table). Each is reported under its own name (`BACKEND_NAMES`), so an approximation is never reported
+as FENICE.
 
 Entry points (DESIGN.md section 10): `rule_scores`, `lexical_factuality`, `support_factuality`,
 `factuality_batch`, `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
@@ -27,21 +28,22 @@ import collections
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, NamedTuple
 
 import numpy as np
 
-import claims
 import sandbox
-import textsplit
-from claims import (
+from factual_tools import claims, textsplit
+from factual_tools.claims import (
     LRU, NEGATIONS, STOPWORDS, Claim, DocInfo, Part, SummaryInfo, name_sentences, num_sentences, premises_of,
     stem_word, text_of, text_key,
 )
-from fenice import Fenice, FeniceConfig
+from factual_tools.fenice import Fenice, FeniceConfig
 
 # ---------------------------------------------------------------------------
 # Configuration
@@ -114,7 +116,7 @@ class SupportConfig:
 
 @dataclass
 class LearnedConfig:
-    path: str = "scorers/learned.json"  # shipped; rewritten by `python factcheck.py train` (see factcheck.py)
+    path: str = "scorers/learned.json"  # shipped; rewritten by `python -m factual_tools.factcheck train`
 
 
 
@@ -536,6 +538,67 @@ def support_factuality(document: Any, summary: Any, cfg: SupportConfig | None = 
 
 
 # ---------------------------------------------------------------------------
+# The learned scorer: logistic regression over support features (factual_tools/factcheck.py trains it)
+# ---------------------------------------------------------------------------
+
+LEARNED_FEATURES = ("support_min", "unsupported_words", "support_same_sentence")
+_SAME_SENTENCE = SupportConfig(window=0)
+
+
+def learned_features(document, summary: str, support: SupportConfig | None = None) -> list[float]:
+    """The feature vector of one (document, summary) pair, in LEARNED_FEATURES order: the
+    support score (the worst sentence's, on text whose sentence boundaries the
+    support scorer repairs), the number of the summary's content words the
+    document lacks, and the support score when adjacent words must share one
+    document sentence (a fused or mis-attributed claim scores lower)."""
+    f_support, rows = support_details(document, summary, support)
+    rows = [r for r in rows if "skipped" not in r]
+    if not rows:
+        return [0.0, 0.0, 0.0]
+    return [f_support, float(sum(len(r["unsupported"]) for r in rows)),
+            support_factuality(document, summary, _SAME_SENTENCE)]
+
+
+class LearnedModel:
+    """Standardised features -> logistic regression -> P(no error)."""
+
+    def __init__(self, mean, std, coef, bias, meta=None):
+        self.mean, self.std = np.asarray(mean, float), np.asarray(std, float)
+        self.coef, self.bias = np.asarray(coef, float), float(bias)
+        self.meta = meta or {}
+
+    def predict(self, X) -> np.ndarray:
+        z = ((np.asarray(X, float) - self.mean) / self.std) @ self.coef + self.bias
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def score(self, document, summary: str) -> float:
+        if not textsplit.split_sentences(summary):
+            return 0.0
+        return float(self.predict([learned_features(document, summary)])[0])
+
+    def to_json(self) -> dict:
+        return {"features": list(LEARNED_FEATURES), "mean": self.mean.tolist(), "std": self.std.tolist(),
+                "coef": self.coef.tolist(), "bias": self.bias, "meta": self.meta}
+
+
+@functools.lru_cache(maxsize=8)
+def load_learned(path: str) -> LearnedModel:
+    """The weights at `path`; a missing or foreign file is an error naming the train command."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no learned scorer here; train one with `python -m "
+                                f"factual_tools.factcheck train --out {path}` (reward.learned.path names it)")
+    try:
+        d = json.loads(p.read_text())
+        if d["features"] != list(LEARNED_FEATURES):
+            raise ValueError(f"its features {d['features']} are not this version's {list(LEARNED_FEATURES)}")
+        return LearnedModel(d["mean"], d["std"], d["coef"], d["bias"], d.get("meta"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a learned scorer file ({e}); retrain with "
+                         f"`python -m factual_tools.factcheck train --out {path}`") from None
+
+
+# ---------------------------------------------------------------------------
 # Tool terms: budget, caps, ToolMatch (the v19 reward)
 # ---------------------------------------------------------------------------
 
@@ -585,7 +648,7 @@ def right_deletes(document: Any, episode: Any, factuality: str) -> int:
         return 0
     gone = [c.deleted for c in episode.calls if c.kind == "delete" and c.valid and c.deleted]
     if factuality == "oracle" and hasattr(document, "facts"):
-        import oracle  # the news world's fact checker; imported only for this backend
+        from newsworld import oracle  # the news world's fact checker; imported only for this backend
 
         return sum(not oracle.oracle_errors(document, t) for t in gone)
     text = text_of(document)
@@ -760,15 +823,13 @@ class Scorer:
         if cfg.factuality == "support":
             return [support_details(d, s.text, cfg.support) for d, s in zip(docs, summaries)]
         if cfg.factuality == "learned":
-            import factcheck  # the learned scorer's features and weights; imported only for this backend
-
-            model = factcheck.load(cfg.learned.path)
+            model = load_learned(cfg.learned.path)
             return [(model.score(d, s.text), None) for d, s in zip(docs, summaries)]
         if cfg.factuality == "fenice":
             res = self.fenice(cfg.fenice).score_batch([(text_of(d), s.text) for d, s in zip(docs, summaries)])
             return [(r["score"], r["claims"]) for r in res]
         if cfg.factuality == "oracle":
-            import oracle  # the news world's fact checker; imported only for this backend
+            from newsworld import oracle  # the news world's fact checker; imported only for this backend
 
             out = []
             for d, s in zip(docs, summaries):

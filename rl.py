@@ -42,36 +42,10 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-import common
-import settings
-import modeling
-import vram
 import rewards
-import rollout
 import sandbox
-
-
-@dataclass
-class DataConfig:
-    train: str = "out/newsworld/docs.jsonl"  # training documents (Document JSONL)
-    eval: str = ""  # held-out Document JSONL; "" = the train file's split eval pool (or none)
-    split: str = "out/newsworld/split.json"  # leak-cluster manifest (`data.py split`); "" = no split
-    generate: int = 0  # when `train` is missing: make this many news-world documents in memory (0 = error)
-    world_seed: int = 0  # world seed of generated documents (generated eval documents use world_seed + 1)
-    # > 0: train on this many freshly generated news-world documents of `fresh_seed`
-    # instead of the split's train pool (held-out documents are still its eval pool).
-    # The SFT corpus was drafted from the train pool and the policy half-remembers those
-    # documents, so RL on them rewards recall that does not carry to new ones. Documents
-    # that near-duplicate the split's eval or never-touch pools are skipped.
-    fresh: int = 0
-    fresh_seed: int = 2
-    # > 0: held-out evaluation during training runs on this many fresh news-world documents
-    # of `validation_seed` (guarded against the held-out clusters as `fresh` is), not on the
-    # split's eval pool: a choice made from it (steps, `eval.keep_best`) leaves that pool a test set.
-    validation: int = 0
-    validation_seed: int = 3
-    max_prompt_tokens: int = 0  # documents whose prompt is longer are skipped (0 = keep all)
-    teacher: str = ""  # teacher Episode JSONL for ToolMatch, matched by doc_id (teacher_episodes.py writes it)
+from factual_tools import common, evaluation, modeling, rollout, settings, vram
+from factual_tools.training import DataConfig, load_documents
 
 
 @dataclass
@@ -336,55 +310,6 @@ def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperatur
                                          max_batch_tokens=cfg.max_batch_tokens))
 
 
-def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
-    """(train, eval, how they were obtained)."""
-    import data  # the documents module (no torch)
-    import newsworld
-
-    path = Path(cfg.train)
-    if path.exists():
-        docs, how = data.read_documents(cfg.train), f"{cfg.train}"
-    elif cfg.generate:
-        docs = list(newsworld.documents(cfg.generate, seed=cfg.world_seed))
-        how = f"{cfg.train} missing: {cfg.generate} news-world documents generated in memory (seed {cfg.world_seed})"
-    else:
-        raise SystemExit(f"data.train={cfg.train}: no such file (write one with `python data.py newsworld "
-                         f"--n 1000 --seed 0 --out {cfg.train}`, or set data.generate=N)")
-    held = data.read_documents(cfg.eval) if cfg.eval else None
-    if cfg.split and Path(cfg.split).exists():
-        try:  # the split's pools, each document checked against the content hash the split froze
-            manifest = data.read_manifest(cfg.split)
-            train = data.pool_documents(docs, manifest, "train", cfg.split)
-            held = data.pool_documents(held if held is not None else docs, manifest, "eval", cfg.split)
-        except (data.DataError, data.LeakError) as e:
-            raise SystemExit(f"error: {e}") from None
-        if docs and not train:
-            raise SystemExit(f"no document of {cfg.train} is in the train pool of {cfg.split}: "
-                             "a split of other documents? (data.split='' uses them all)")
-        how += f", split {cfg.split}"
-        if cfg.validation and cfg.fresh and cfg.validation_seed == cfg.fresh_seed:
-            raise SystemExit(f"data.validation_seed={cfg.validation_seed} is data.fresh_seed: validation documents "
-                             "would be training documents")
-        if cfg.validation:
-            held, skipped = newsworld.fresh_documents(cfg.validation, cfg.validation_seed,
-                                                 data.held_out_guard(docs, manifest, cfg.split))
-            how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
-                    f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
-        if cfg.fresh:
-            train, skipped = newsworld.fresh_documents(cfg.fresh, cfg.fresh_seed,
-                                                  data.held_out_guard(docs, manifest, cfg.split))
-            how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
-                    f"{len(skipped)} near-duplicates of held-out clusters skipped)")
-    elif cfg.fresh or cfg.validation:
-        raise SystemExit(f"data.{'fresh' if cfg.fresh else 'validation'} needs a split (data.split): its eval and "
-                         "never-touch pools are what the fresh documents must not duplicate")
-    else:
-        train = docs
-        if held is None and not path.exists():
-            held = list(newsworld.documents(max(1, cfg.generate // 10), seed=cfg.world_seed + 1))
-    return train, held or [], how
-
-
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
@@ -490,9 +415,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         with amp():
             return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
 
-    import eval as evaluation
-
-    # eval.py's greedy held-out evaluation, under this run's sampler and sandbox limits, scored by
+    # the greedy held-out evaluation (evaluation.greedy_eval), under this run's sampler and sandbox limits, scored by
     # the configured reward (pass at the first tau, so evaluations compare across the curriculum)
     ecfg = evaluation.Config(reward=dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality
                                                         or cfg.reward.factuality),

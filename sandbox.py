@@ -38,12 +38,13 @@ from typing import Callable, Iterable, Sequence
 import regex
 from rank_bm25 import BM25Okapi
 
-from textsplit import sentence_spans, split_sentences, words  # noqa: F401  split_sentences: a public entry point here
+# split_sentences is a public entry point here (DESIGN.md section 10)
+from factual_tools.textsplit import sentence_spans, split_sentences, words  # noqa: F401
 
 PROTOCOL_VERSION = 1
 EPISODE_VERSION = 1
 
-SYSTEM_PROMPT = (  # what a chat model reads about the tools (the tiny template leaves it out: modeling.CHAT_TEMPLATE)
+SYSTEM_PROMPT = (  # what a chat model reads about the tools (the tiny template leaves it out: newsworld/tiny.py)
     "Summarise the article in a few factual sentences. <search>QUERY</search> finds its sentences "
     '(QUERY is /REGEX/ or keywords); <delete scope="sentence"/> or <delete scope="clause"/> '
     "retracts what you just wrote."

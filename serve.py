@@ -72,13 +72,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import common
-import eval as evaluation
-import modeling
 import rewards
-import rollout
 import sandbox
-import settings
+from factual_tools import common, evaluation, modeling, rollout, settings
 
 ROUTES = ("/v1/summarize", "/health", "/metrics")
 

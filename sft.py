@@ -16,7 +16,8 @@ Modes (`mode`):
 - `teacher`: continued SFT from `init` on teacher episodes (`teacher_episodes.py`) that pass the reward.
 - `kto`: KTO on episodes (`kto_loss`), desirable those that pass the reward, with the recipe's early
   stop on held-out summary emission (`kto.min_emission_ratio`).
-Held-out evaluation: eval.py's `eval.greedy_eval`; checkpoints and `resume=auto`: DESIGN.md section 7.
+Held-out evaluation: `evaluation.greedy_eval` (factual_tools/evaluation.py); checkpoints and
+`resume=auto`: DESIGN.md section 7.
 
 Departures: the loss is the mean over generated tokens of a step (the usual SFT normalisation), not
 per sequence; episodes longer than `data.max_tokens` are skipped and counted, never cut (a cut would
@@ -30,18 +31,16 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-import common
-import settings
-import modeling
+import data
 import rewards
-import rollout
 import sandbox
-import textsplit
+from factual_tools import common, evaluation, modeling, rollout, settings
+from factual_tools.training import EpochBatches, n_generated, optimizer_step, sequence_loss, tokenize_episodes
 
 
 @dataclass
@@ -175,147 +174,6 @@ class Config:
 # ---------------------------------------------------------------------------
 
 
-def n_generated(ep: sandbox.Episode, mask_retracted: bool = False) -> int:
-    """Generated ids of `ep` (less those holding retracted text, with `mask_retracted`)."""
-    return sum(len(t.ids) - (len(t.masked or ()) if mask_retracted else 0) for t in ep.turns)
-
-
-def rewrite_lengths(ep: sandbox.Episode, tokenizer) -> list[int]:
-    """Per turn, how many of its leading ids write the sentence that replaces a
-    deleted one: in the turn right after a successful delete, the ids up to and
-    including the one that ends its first sentence; 0 in every other turn."""
-    out = []
-    prev = None
-    for t in ep.turns:
-        n = 0
-        if prev is not None and prev.call is not None and prev.call.kind == "delete" and prev.call.deleted and t.ids:
-            body = t.text[:t.call.start] if t.call is not None else t.text
-            first = textsplit.split_sentences(body)
-            if first:
-                end = body.find(first[0]) + len(first[0])
-                while n < len(t.ids) and len(tokenizer.decode(t.ids[:n])) < end:
-                    n += 1
-        out.append(n)
-        prev = t
-    return out
-
-
-def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384, mask_retracted: bool = False,
-                  method: str = "tree", rewrite_weight: float = 1.0, tokenizer=None,
-                  decision_weight: float = 1.0) -> torch.Tensor:
-    """Sum of -log p over every generated token of `episodes`, divided by
-    `n_tokens` (the step's token count, so micro-batches add up to a mean).
-    With `mask_retracted`, ids holding text a later delete retracted
-    (`Turn.masked`) are left out: error-masked SFT, where the wrong sentence
-    before a search and delete is context, not a target. With `rewrite_weight`
-    w != 1 (needs the `tokenizer`), the ids of each sentence written in place of
-    a deleted one (`rewrite_lengths`) count w times; the divisor stays `n_tokens`,
-    so every other id's gradient is unchanged. With `decision_weight` d != 1, the
-    first id after each answered search (`sandbox.decision_turns`) counts d times, masked or not."""
-    if rewrite_weight != 1.0 and tokenizer is None:
-        raise ValueError("rewrite_weight needs the tokenizer (to find the rewritten sentence's ids)")
-    lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
-    total = 0.0
-    for ep, per_turn in zip(episodes, lps):
-        lens = rewrite_lengths(ep, tokenizer) if rewrite_weight != 1.0 else [0] * len(ep.turns)
-        decides = sandbox.decision_turns(ep) if decision_weight != 1.0 else [False] * len(ep.turns)
-        for t, lp, n_rw, decide in zip(ep.turns, per_turn, lens, decides):
-            if lp is None or not lp.numel():
-                continue
-            if (mask_retracted and t.masked) or n_rw or decide:
-                w = torch.ones_like(lp)
-                w[:n_rw] = rewrite_weight
-                if mask_retracted and t.masked:
-                    w[t.masked] = 0.0
-                if decide:
-                    w[0] = decision_weight
-                lp = lp * w
-            total = total + lp.sum()
-    return -total / max(1, n_tokens)
-
-
-def epoch_batches(n_items: int, lengths: list[int], batch: int, window: int, seed: int, epoch: int) -> list[list[int]]:
-    """Micro-batches of indices for one epoch: a seeded shuffle, then length
-    bucketing inside windows of `window` batches (less padding, still mixed),
-    then the batches shuffled again."""
-    rng = random.Random(f"{seed}:{epoch}")
-    order = list(range(n_items))
-    rng.shuffle(order)
-    out = []
-    span = batch * max(1, window)
-    for s in range(0, n_items, span):
-        chunk = sorted(order[s:s + span], key=lambda i: lengths[i])
-        out += [chunk[j:j + batch] for j in range(0, len(chunk), batch)]
-    rng.shuffle(out)
-    return out
-
-
-class EpochBatches:
-    """Micro-batch i of a corpus, as `epoch_batches` orders epoch i // per_epoch.
-    The data cursor is the micro-batch index, so a resumed run sees the same data."""
-
-    def __init__(self, items: Sequence, lengths: list[int], batch: int, window: int, seed: int):
-        self.items, self.lengths, self.batch, self.window, self.seed = items, lengths, batch, window, seed
-        self.per_epoch = math.ceil(len(items) / batch)
-        self._epoch: tuple[int, list[list[int]]] | None = None
-
-    def __call__(self, i: int) -> list:
-        e, j = divmod(i, self.per_epoch)
-        if self._epoch is None or self._epoch[0] != e:
-            self._epoch = (e, epoch_batches(len(self.items), self.lengths, self.batch, self.window, self.seed, e))
-        return [self.items[k] for k in self._epoch[1][j]]
-
-
-def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, max_grad_norm: float,
-                   step: int, dist: common.Dist = common.SINGLE) -> tuple[float, dict[str, float], float, float]:
-    """One optimizer step over micro-batches (gradient accumulation), as sft.py and
-    distill.py take it: `loss_fn(micro_batch) -> (loss, {name: float})`, each loss
-    already divided by the step's token count. A non-finite loss aborts before any
-    update. Returns (the step's loss, its extra terms summed, the gradient norm
-    before clipping, the learning rate it stepped with).
-
-    Data parallel (`dist`): each rank takes its share of every micro-batch, and the
-    gradients and figures are summed across ranks before clipping, so with the
-    whole step's token count as the divisor every rank steps as one process would."""
-    loss_sum, extra = 0.0, {}
-    for b in batches:
-        b = dist.shard(b)
-        if not b:
-            continue
-        loss, more = loss_fn(b)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents "
-                                     f"{[e.doc_id for e in b][:4]}); aborting before the update")
-        loss.backward()
-        loss_sum += loss.item()
-        for k, v in more.items():
-            extra[k] = extra.get(k, 0.0) + v
-    if dist.world > 1:
-        dist.reduce_grads(params)
-        parts = dist.gather((loss_sum, extra))
-        loss_sum = sum(x for x, _ in parts)
-        extra = {k: sum(e.get(k, 0.0) for _, e in parts) for k in dict.fromkeys(k for _, e in parts for k in e)}
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    lr = sched.get_last_lr()[0]
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
-    return loss_sum, extra, norm.item(), lr
-
-
-def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbox.Episode], int]:
-    """Canonical token ids for every episode; those with a branch longer than
-    `max_tokens` are dropped and counted."""
-    kept, skipped = [], 0
-    for ep in episodes:
-        t = ep.tokenized(tokenizer)
-        if max(len(b.input_ids) for b in t.branches()) > max_tokens:
-            skipped += 1
-            continue
-        kept.append(t)
-    return kept, skipped
-
-
 def episode_logps(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
     """(B,) log p(episode): the sum over its generated ids under the contexts they were
     generated in (branch-exact, as SFT scores them)."""
@@ -367,8 +225,6 @@ def documents_of(episodes: list, docs_path: str) -> list:
     (the oracle grades with its fact table), else the episode's own text."""
     by_id = {}
     if docs_path:
-        import data
-
         by_id = {d.id: d for d in data.read_documents(docs_path)}
     return [by_id.get(e.doc_id) if e.doc_id in by_id else _Doc(e.doc_id, e.document) for e in episodes]
 
@@ -399,8 +255,6 @@ def held_out_documents(episodes, docs_path: str, n: int) -> list:
     file is given, so the oracle can grade), first `n` distinct ones."""
     by_id = {}
     if docs_path:
-        import data
-
         by_id = {d.id: d for d in data.read_documents(docs_path)}
     seen, out = set(), []
     for ep in episodes:
@@ -421,12 +275,10 @@ class _Doc:
 
 
 def sample_eval(model, tokenizer, documents, cfg: Config) -> dict:
-    """eval.py's greedy held-out evaluation (`eval.greedy_eval`) of `documents` under
+    """The greedy held-out evaluation (`evaluation.greedy_eval`) of `documents` under
     this run's reward and sandbox limits, its figures prefixed `eval_` as in rl.py."""
     if not documents:
         return {}
-    import eval as evaluation
-
     ecfg = evaluation.Config(reward=cfg.reward, limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens,
                              seed=cfg.seed)
     return {f"eval_{k}": v for k, v in evaluation.greedy_eval(model, tokenizer, documents, ecfg)[0].items()}
@@ -465,15 +317,13 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
     """(guard, held-out episodes, held-out documents) of the base stage: the eval pool
     of `cfg.split` over `cfg.docs` (their reference summaries give the eval loss), and
     a guard holding its eval and never-touch pools."""
-    import data
-
     if not (cfg.docs and cfg.split):
         return None, [], []
     for path in (cfg.docs, cfg.split):
         if not Path(path).exists():
             raise SystemExit(f"data.generate needs {path} (the documents and split whose held-out pools stay out "
-                             f"of the stream): run `python data.py newsworld --n 1000 --seed 0 --out {cfg.docs}` and "
-                             f"`python data.py split --docs {cfg.docs} --out {cfg.split}` (the pipeline's docs "
+                             f"of the stream): run `python -m newsworld generate --n 1000 --seed 0 --out {cfg.docs}` "
+                             f"and `python data.py split --docs {cfg.docs} --out {cfg.split}` (the pipeline's docs "
                              "and split stages), or set data.split=''")
     try:
         docs, manifest = data.read_documents(cfg.docs), data.read_manifest(cfg.split)
@@ -704,8 +554,6 @@ def _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample: bool) -> 
     with amp():
         out = _eval_figures(model, tok, held_eps, docs, cfg, sample)
     if out:
-        import eval as evaluation
-
         evaluation.log_eval(run, step, out)
     return out
 

@@ -38,20 +38,14 @@ from typing import Callable, Iterable, Literal, Sequence
 
 from tqdm import tqdm
 
-import common
-import settings
-import modeling
 import data
-import newsworld
-import oracle
 import sandbox
-import textsplit
-import traces
-from teachers import (
+from factual_tools import claims, common, modeling, settings, textsplit, traces
+from factual_tools.teachers import (
     Annotation, GenerateConfig, Judge, PromptedTokenizer, TeacherConfig, load_generator, make_annotator,
     sampling_for, unique_rounds, written_text,
 )
-from traces import (
+from factual_tools.traces import (
     append_traces, done_ids, flags_to_keys, merge, parse_shard, shard_of, shard_path, stable_hash, tfidf_cosine,
     tfidf_for,
 )
@@ -96,7 +90,7 @@ class DrafterConfig:
 class Config:
     name: str = "synth"  # run name: runs/NAME/ holds the resolved config, git revision and metrics
     runs_dir: str = "runs"
-    docs_path: str = "out/newsworld/docs.jsonl"  # Document JSONL (python data.py newsworld ...)
+    docs_path: str = "out/newsworld/docs.jsonl"  # Document JSONL (python -m newsworld generate ...)
     generate_docs: int = 1000  # docs_path missing: write this many news world documents there (0: error)
     world_seed: int = 0  # seed of those documents
     out_path: str = "out/traces/newsworld.jsonl"  # Episode JSONL; a shard i/n writes NAME.shard{i}of{n}.jsonl
@@ -172,7 +166,7 @@ def support_query(document: str, sentence: str, style: str, rng: random.Random,
         styles.reverse()
     for s in styles if style == "mix" else styles[:1]:
         if s == "regex":
-            q = f"/({oracle.regex_key_for(index.sentences, target, sentence, entity_names=list(entity_names))})/"
+            q = f"/({claims.regex_key_for(index.sentences, target, sentence, entity_names=list(entity_names))})/"
         else:
             q = bm25_query(document, sentence, target)
         if q:
@@ -341,6 +335,8 @@ class NewsworldDrafter:
         self.name = "newsworld"
 
     def draft(self, items: Sequence[Item]) -> list[Draft]:
+        from newsworld import oracle  # the built-in world's faulty drafter: only its documents get here
+
         out = []
         for it in items:
             if not it.doc.facts:
@@ -385,7 +381,7 @@ class ModelDrafter:
         return msgs
 
     def _generate(self, items: Sequence[Item], prefixes: Sequence[str] | None) -> list[sandbox.Episode]:
-        import rollout
+        from factual_tools import rollout
 
         out: list[sandbox.Episode | None] = [None] * len(items)
         for rnd in unique_rounds([it.doc.text for it in items]):
@@ -432,7 +428,7 @@ class ModelDrafter:
 def _continue_vllm(llm, tokenizer, docs, scripts, sampling):  # pragma: no cover - GPU stack
     """vLLM continuation: the builder is driven through the forced prefix first
     (the sandbox answers its calls), then vLLM generates from its context."""
-    import rollout
+    from factual_tools import rollout
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -589,8 +585,10 @@ def _synth_iterative(items, drafter, annotator, cfg):
 def load_docs(cfg: Config) -> list[data.Document]:
     if not os.path.exists(cfg.docs_path):
         if cfg.generate_docs <= 0:
-            raise data.DataError(f"{cfg.docs_path} does not exist (write it with python data.py newsworld "
+            raise data.DataError(f"{cfg.docs_path} does not exist (write it with python -m newsworld generate "
                                  f"--out {cfg.docs_path}, or set generate_docs)")
+        import newsworld  # generate_docs > 0: the built-in world writes them
+
         n = data.write_jsonl(cfg.docs_path, newsworld.documents(cfg.generate_docs, cfg.world_seed))
         print(f"wrote {n} news world documents (seed {cfg.world_seed}) -> {cfg.docs_path}", file=sys.stderr)
     return data.read_documents(cfg.docs_path)

@@ -27,13 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import common
-import settings
-import modeling
 import data
-import rollout
 import sandbox
-import traces
+from factual_tools import common, modeling, rollout, settings, traces
 
 PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
@@ -63,7 +59,7 @@ class Config:
 def documents(cfg: DataConfig) -> list:
     if not Path(cfg.train).exists():
         raise SystemExit(f"data.train={cfg.train} does not exist: write it with `python data.py load ...` "
-                         "(or `python data.py newsworld ...`)")
+                         "(or `python -m newsworld generate ...`)")
     docs = data.read_documents(cfg.train)
     if cfg.split:
         manifest = data.read_manifest(cfg.split)

@@ -22,7 +22,7 @@ Scorers:
   found in the document (1 with none);
 - `lexical`: the news world's claim-by-claim scorer (rewards.lexical_factuality);
 - `support`: the model-free scorer for real text (rewards.support_factuality);
-- `learned`: factcheck.py's logistic regression (weights from --learned);
+- `learned`: the logistic regression of factual_tools/factcheck.py (weights from --learned);
 - `fenice` (with --fenice, needs its models: a GPU and a hub or local copies).
 The shipped sample is 32 invented records: it proves the script runs, its
 figures mean nothing. The last line is one JSON object.
@@ -41,9 +41,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # before bench/, whose rewards.py is a benchmark, not the module
-import claims  # noqa: E402
+from factual_tools import claims  # noqa: E402
 import rewards as R  # noqa: E402
-import textsplit  # noqa: E402
+from factual_tools import textsplit  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
 import factuality_data as FD  # noqa: E402
@@ -81,9 +81,7 @@ def make_scorer(name: str, learned: str):
     if name == "support":
         return R.support_factuality
     if name == "learned":
-        import factcheck
-
-        model = factcheck.load(learned)
+        model = R.load_learned(learned)
         return model.score
     if name == "fenice":
         f = R.fenice_for(R.FeniceConfig())
@@ -94,7 +92,7 @@ def make_scorer(name: str, learned: str):
 def newsworld_records(n_docs: int, seed: int = 11) -> list[dict]:
     """News world documents with the reference and two drafts each, labelled by the oracle; half dev, half test."""
     import newsworld
-    import oracle
+    from newsworld import oracle
 
     rng = random.Random(seed)
     out = []

@@ -30,9 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import newsworld  # noqa: E402
-import oracle  # noqa: E402
-import claims  # noqa: E402
-import fenice  # noqa: E402
+from newsworld import oracle  # noqa: E402
+from factual_tools import claims  # noqa: E402
+from factual_tools import fenice  # noqa: E402
 import rewards as R  # noqa: E402
 
 CLAIM_FAIL = 0.75  # a summary sentence scoring below this is flagged by the lexical scorer

@@ -37,10 +37,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import modeling  # noqa: E402
+from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
 import sandbox  # noqa: E402
-import textsplit  # noqa: E402
+from factual_tools import textsplit  # noqa: E402
+from newsworld import tiny  # noqa: E402
 
 LR = 1e-5
 
@@ -102,7 +103,7 @@ def run_ours(args, tmp: str) -> dict:
 
 def lora(args) -> bool:
     """A tiny preset trains every weight (as the tiny pipeline does); another model a LoRA."""
-    return args.model not in modeling.TINY_PRESETS
+    return args.model not in tiny.TINY_PRESETS
 
 
 def run_trl(args, tmp: str) -> dict:

@@ -40,11 +40,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import modeling  # noqa: E402
+from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
-import rollout as R  # noqa: E402
+from factual_tools import rollout as R  # noqa: E402
 import sandbox  # noqa: E402
-import textsplit  # noqa: E402
+from factual_tools import textsplit  # noqa: E402
 
 
 def long_documents(tokenizer, n, lo=600, hi=800):
@@ -145,7 +145,7 @@ def generate_decode(model, tokenizer, docs, group, scripts, n_new):
 
 def bench_engine(name, args, docs, group, n_new, real):
     """Figures of one model: tiny presets on long documents, --model on an RL step's shape (`real`)."""
-    import common
+    from factual_tools import common
     from bound import record_forwards, replay_seconds
 
     path = modeling.resolve_model_path(name)

@@ -58,7 +58,7 @@ def tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, drop
 
 def script_ids(tokenizer, written: str, eos: bool = True) -> list[int]:
     """Ids a policy could sample to write `written`, end-of-turn appended."""
-    import rollout
+    from factual_tools import rollout
 
     ids = rollout.ScriptedProcessor.ids_for(lambda s: tokenizer.encode(s, add_special_tokens=False), written)
     return ids + ([tokenizer.eos_token_id] if eos else [])
@@ -71,9 +71,9 @@ def newsworld_traces(n: int, seed: int = 0, search_only: float = 0.25):
     import random
 
     import newsworld
-    import oracle
+    from newsworld import oracle
     import sandbox
-    import textsplit
+    from factual_tools import textsplit
 
     rng = random.Random(seed)
     out = []
@@ -109,7 +109,7 @@ def save_tiny_policy(path, tokenizer, **kw) -> str:
 def killed_after_checkpoint(monkeypatch, step: int):
     """Inside the block, `common.save_checkpoint` raises KeyboardInterrupt right
     after it has written `step`'s checkpoint: a kill between two steps."""
-    import common
+    from factual_tools import common
 
     real_save = common.save_checkpoint
 
@@ -145,7 +145,7 @@ def load_config_file(path):
     import importlib
     import os
 
-    import settings
+    from factual_tools import settings
 
     module = importlib.import_module(script_for(os.path.basename(path)))
     return settings.load_config(module.Config, ["--config", str(path)])
@@ -211,7 +211,7 @@ def wandb_history(run_dir) -> list[dict]:
 
 def offline_trackers(monkeypatch):
     """The LogConfig of a run writing TensorBoard events and an offline W&B run."""
-    import common
+    from factual_tools import common
 
     for k, v in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_CONSOLE", "off")):
         monkeypatch.setenv(k, v)
@@ -222,7 +222,7 @@ def assert_trackers_match_metrics(run_dir, keys=("loss",)) -> None:
     """TensorBoard's events and the W&B run hold the same `keys` per step as metrics.jsonl."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import common
+    from factual_tools import common
 
     metrics = common.read_metrics(f"{run_dir}/metrics.jsonl")
     tb = EventAccumulator(f"{run_dir}/tb")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-import common
+from factual_tools import common
 
 
 def tiny_net():

@@ -4,13 +4,11 @@ the trainers that ask for it."""
 import pytest
 import torch
 
-import common
 import data
-import modeling
 import rl
-import rollout as R
+from factual_tools import common, modeling, rollout as R
 from helpers import DOC, bpe_tokenizer, save_tiny_policy, tiny_llama
-from settings import ConfigError
+from factual_tools.settings import ConfigError
 
 
 def _cpu(monkeypatch, capability, avx512_bf16=False, amx=False):

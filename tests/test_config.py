@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from helpers import script_for
-from settings import ConfigError, config_to_dict, format_config, load_config, parse_args
-from common import (
+from factual_tools.common import (
     atomic_dir, atomic_write_text, format_step, git_revision, jsonable, mean, MetricsWriter, read_metrics,
     save_config, seed_everything, start_run,
 )
+from factual_tools.settings import ConfigError, config_to_dict, format_config, load_config, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -349,7 +349,7 @@ def test_start_run(tmp_path, capsys):
 def test_a_tracker_whose_package_is_missing_is_a_config_error_naming_the_key(tmp_path, monkeypatch):
     import importlib.util
 
-    import common
+    from factual_tools import common
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -387,7 +387,7 @@ def test_format_step_values(value, text):
 
 
 def test_config_errors_exit_turns_bad_input_into_one_line():
-    from settings import config_errors_exit
+    from factual_tools.settings import config_errors_exit
 
     with pytest.raises(SystemExit, match=r"^error: key 'x'"):
         with config_errors_exit():
@@ -497,28 +497,133 @@ def test_seed_everything_repeats():
 
 
 def test_shared_modules_import_without_torch():
-    code = ("import sys, common, settings, data, newsworld, oracle, sandbox, vram, modeling; "
+    code = ("import sys, data, newsworld, sandbox; from factual_tools import common, settings, vram, modeling; "
+            "from newsworld import oracle; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-# The layers: a module imports (at module level) only modules of the layers below it.
-# Scripts (sft.py, rl.py, ...) sit above all of these.
-LAYERS = [{"settings", "textsplit"}, {"sandbox", "common", "data"}, {"claims"}, {"newsvocab", "modeling", "fenice"},
-          {"newsworld", "vram"}, {"oracle"}, {"rewards", "rollout"}, {"factcheck", "teachers", "traces"}]
+# --- the layout: scripts at the root, the library below them, the news world apart -------
+
+SHARED = {"sandbox", "data", "rewards"}  # root modules the library shares: a fork edits them
+SCRIPTS = {"synth_traces", "filter_traces", "sft", "rl", "eval", "distill", "teacher_episodes", "serve", "monitor",
+           "pipeline"}
+# The library's layers, lowest first: a module imports, at module level, only modules of the
+# layers below it. The root's shared modules sit between library layers.
+LAYERS = [
+    {"factual_tools.settings", "factual_tools.textsplit"},
+    {"factual_tools.common", "sandbox", "data"},
+    {"factual_tools.claims", "factual_tools.modeling"},
+    {"factual_tools.fenice", "factual_tools.vram", "factual_tools.rollout"},
+    {"rewards"},
+    {"factual_tools.factcheck", "factual_tools.teachers", "factual_tools.evaluation", "factual_tools.training"},
+    {"factual_tools.traces"},
+]
 
 
-def test_the_shared_modules_import_only_the_layers_below_them():
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, tuple[set[str], set[str]]]:
+    """{module: (modules it imports at module level, those it imports inside functions)} over the
+    root, factual_tools/ and newsworld/. A submodule import counts its package too (Python runs
+    the package's __init__ first)."""
     import ast
 
-    ours = {p.stem for p in ROOT.glob("*.py")}
+    paths = [*ROOT.glob("*.py"), *ROOT.glob("factual_tools/*.py"), *ROOT.glob("newsworld/*.py")]
+    ours = {module_name(p) for p in paths}
+
+    def targets(node, importer: str) -> set[str]:
+        out = set()
+        if isinstance(node, ast.Import):
+            out = {a.name for a in node.names if a.name in ours}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out = {m for m in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if m in ours}
+        packages = {t.rpartition(".")[0] for t in out} - {importer.rpartition(".")[0], importer}
+        return out | (packages & ours)
+
+    graph = {}
+    for p in paths:
+        tree, me = ast.parse(p.read_text()), module_name(p)
+        top = set().union(*(targets(n, me) for n in tree.body))
+        inner = set().union(*(targets(n, me) for n in ast.walk(tree))) - top
+        graph[me] = (top - {me}, inner - {me})
+    return graph
+
+
+def test_the_root_holds_the_scripts_and_the_shared_modules():
+    assert {p.stem for p in ROOT.glob("*.py")} == SCRIPTS | SHARED and len(SCRIPTS | SHARED) <= 14
+    library = {module_name(p) for p in ROOT.glob("factual_tools/*.py")} - {"factual_tools"}
+    assert library | SHARED == set().union(*LAYERS), "a new library module needs its place in LAYERS"
+
+
+def test_the_library_imports_only_the_layers_below_it():
+    graph = import_graph()
     for i, layer in enumerate(LAYERS):
-        below = set().union(*LAYERS[:i])
+        below = set().union(*LAYERS[:i]) | {"factual_tools"}
         for name in layer:
-            tree = ast.parse((ROOT / f"{name}.py").read_text())
-            imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-            imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
-            assert (imported & ours) <= below, (name, sorted((imported & ours) - below))
+            assert graph[name][0] <= below, (name, sorted(graph[name][0] - below))
+
+
+def test_no_script_imports_another_script():
+    for name, (top, inner) in import_graph().items():
+        assert not (top | inner) & SCRIPTS, (name, sorted((top | inner) & SCRIPTS))
+
+
+def test_the_news_world_is_one_folder_the_rest_imports_only_inside_functions():
+    """A fork that drops the world deletes newsworld/: nothing else imports it at module level,
+    and the world imports the library and the shared modules, never a script."""
+    graph = import_graph()
+    world = {m for m in graph if m.split(".")[0] == "newsworld"}
+    for name, (top, inner) in graph.items():
+        if name in world:
+            assert not (top | inner) & SCRIPTS, name
+        else:
+            assert not top & world, (name, sorted(top & world))
+
+
+def test_there_is_no_import_cycle_even_through_imports_inside_functions():
+    graph = {m: top | inner for m, (top, inner) in import_graph().items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, " -> ".join([*path, m, n])
+            if n not in state:
+                visit(n, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_no_private_name_is_used_from_another_file():
+    import ast
+
+    paths = [*ROOT.glob("*.py"), *ROOT.glob("factual_tools/*.py"), *ROOT.glob("newsworld/*.py"),
+             *ROOT.glob("launchers/*.py"), *ROOT.glob("bench/*.py")]
+    ours = set(import_graph())
+    crossings = []
+    for p in paths:
+        tree = ast.parse(p.read_text())
+        alias = {}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                alias.update({a.asname or a.name: a.name for a in n.names if a.name in ours})
+            elif isinstance(n, ast.ImportFrom) and n.module in ours | {"factual_tools", "newsworld"}:
+                for a in n.names:
+                    if f"{n.module}.{a.name}" in ours:
+                        alias[a.asname or a.name] = f"{n.module}.{a.name}"
+                    elif a.name.startswith("_") and not a.name.startswith("__"):
+                        crossings.append(f"{p.name}:{n.lineno} {n.module}.{a.name}")
+        crossings += [f"{p.name}:{n.lineno} {n.value.id}.{n.attr}" for n in ast.walk(tree)
+                      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in alias
+                      and n.attr.startswith("_") and not n.attr.startswith("__")]
+    assert not crossings, crossings
 
 
 # --- every config file loads -----------------------------------------------------------
@@ -558,7 +663,7 @@ def test_unsloth_configs_score_branch_by_branch():
     """Unsloth's fused attention takes no 4D masks: tree (and group-tree) scoring cannot run
     there, so a config that asks for it fails at load time, naming the key; the shipped GPU
     configs score by branch."""
-    import settings
+    from factual_tools import settings
     import rl
     import sft
 

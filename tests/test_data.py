@@ -8,9 +8,9 @@ import types
 import pytest
 
 import data
-import textsplit
-import newsworld
 from data import DataError, Document, LeakError
+from factual_tools import textsplit
+import newsworld
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -347,7 +347,8 @@ def test_check_split_detects_changed_and_unknown_documents():
 
 def test_cli_split_freezes_the_manifest_and_checks_it(tmp_path):
     world = str(tmp_path / "world.jsonl")
-    run_cli("newsworld", "--n", "120", "--seed", "2", "--out", world)
+    subprocess.run([sys.executable, "-m", "newsworld", "generate", "--n", "120", "--seed", "2", "--out", world],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
     manifest = str(tmp_path / "split.json")
     run_cli("split", "--docs", world, "--out", manifest, "--docs-out", str(tmp_path / "clustered.jsonl"))
     frozen = open(manifest, "rb").read()

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
-import settings
-import modeling
 import data
-import newsworld
 import distill
-import rollout as R
 import sandbox as S
 import sft
+from factual_tools import common, modeling, rollout as R, settings
+import newsworld
+from newsworld import tiny
 from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, killed_after_checkpoint, offline_trackers,
                      save_tiny_policy, tiny_llama)
 
@@ -323,5 +321,5 @@ def test_vocabulary_mismatch_trains_with_cross_entropy_and_says_so(full_teacher,
 
 def test_the_tiny_config_loads():
     cfg = settings.load_config(distill.Config, ["--config", str(ROOT / "configs" / "distill_tiny.yaml")])
-    assert cfg.student.name_or_path in modeling.TINY_PRESETS and cfg.eval.factuality == "oracle"
+    assert cfg.student.name_or_path in tiny.TINY_PRESETS and cfg.eval.factuality == "oracle"
     assert cfg.torch_threads == 0 and not cfg.student.lora.enabled

@@ -14,15 +14,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import common
 import data
 import distill
-import modeling
-import newsworld
 import rl
-import rollout as R
 import sandbox as S
 import sft
+from factual_tools import common, modeling, rollout as R
+import newsworld
+from newsworld import tiny
 from helpers import DOC, bpe_tokenizer, newsworld_traces, save_tiny_policy, script_ids
 
 TOK = bpe_tokenizer()
@@ -92,7 +91,7 @@ def test_shards_are_contiguous_cover_every_item_once_and_keep_rank_order():
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
-    model = modeling.build_tiny_model("tiny-1m", d / "tiny", seed=0)
+    model = tiny.build_tiny_model("tiny-1m", d / "tiny", seed=0)
     with open(d / "train.jsonl", "w") as f:
         for e in newsworld_traces(8, seed=5):
             f.write(e.to_json() + "\n")

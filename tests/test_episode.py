@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rollout as R
 import sandbox as S
+from factual_tools import rollout as R
 from helpers import DOC, bpe_tokenizer
 
 

@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import settings
 import data
-import newsworld
 import eval as E
 import rewards
-import rollout as R
 import sandbox as S
-import textsplit
+from factual_tools import evaluation, rollout as R, settings, textsplit
+import newsworld
 from helpers import DOC, bpe_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +43,7 @@ REQUIRED = ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "t
     (5, 2, 4, 1.0),
 ])
 def test_pass_at_k_by_hand(n, c, k, expected):
-    assert E.pass_at_k(n, c, k) == pytest.approx(expected)
+    assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected)
 
 
 def test_pass_at_k_equals_enumeration_over_subsets():
@@ -55,13 +53,13 @@ def test_pass_at_k_equals_enumeration_over_subsets():
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(outcomes, k))
                 brute = sum(any(s) for s in subsets) / len(subsets)
-                assert E.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+                assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError):
-        E.pass_at_k(n, c, k)
+        evaluation.pass_at_k(n, c, k)
 
 
 # ---------------------------------------------------------------------------
@@ -70,14 +68,14 @@ def test_pass_at_k_rejects_impossible_counts(n, c, k):
 
 
 def test_rouge_identical_disjoint_and_empty():
-    same = E.rouge(["Acme reported revenue of $4.2 billion."], ["Acme reported revenue of $4.2 billion."])
+    same = evaluation.rouge(["Acme reported revenue of $4.2 billion."], ["Acme reported revenue of $4.2 billion."])
     assert same == pytest.approx({"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0})
-    assert E.rouge(["alpha beta gamma"], ["delta epsilon zeta"]) == pytest.approx(
+    assert evaluation.rouge(["alpha beta gamma"], ["delta epsilon zeta"]) == pytest.approx(
         {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0})
-    half = E.rouge(["alpha beta gamma", "x"], ["alpha beta gamma", "y"])  # a mean over pairs
+    half = evaluation.rouge(["alpha beta gamma", "x"], ["alpha beta gamma", "y"])  # a mean over pairs
     assert half["rouge1"] == pytest.approx(0.5)
-    assert E.rouge(["reported"], ["reports"])["rouge1"] == 1.0  # stemmed
-    assert all(math.isnan(v) for v in E.rouge([], []).values())
+    assert evaluation.rouge(["reported"], ["reports"])["rouge1"] == 1.0  # stemmed
+    assert all(math.isnan(v) for v in evaluation.rouge([], []).values())
 
 
 def _swap_number(doc: data.Document) -> str:
@@ -95,7 +93,7 @@ def test_hallucinations_counted_by_the_oracle_on_the_news_world(backend):
     docs2 = docs + docs
     cfg = E.Config(reward=rewards.RewardConfig(factuality=backend))
     scores = rewards.score_batch(list(zip(docs2, summaries)), cfg.reward)
-    counts, errors = E.error_counts(docs2, summaries, scores, cfg)
+    counts, errors = evaluation.error_counts(docs2, summaries, scores, cfg)
     assert counts == [0] * 4 + [1] * 4  # whatever the reward backend, the oracle counts
     assert all(e[0]["type"] == "number_change" for e in errors[4:])
 
@@ -106,7 +104,7 @@ def test_hallucinations_without_an_oracle_use_the_backend_claims():
                  "Acme Corp. reported revenue of $4.2 billion. Globex bought Initech for $9 trillion in Paris."]
     cfg = E.Config(reward=rewards.RewardConfig(factuality="lexical"))
     scores = rewards.score_batch([(doc, s) for s in summaries], cfg.reward)
-    counts, errors = E.error_counts([doc, doc], summaries, scores, cfg)
+    counts, errors = evaluation.error_counts([doc, doc], summaries, scores, cfg)
     assert counts == [0, 1] and errors == [None, None]
 
 
@@ -119,7 +117,7 @@ def test_deletes_that_removed_an_error():
             f'<delete scope="sentence"/> {second}')
     ep = S.replay(doc.text, text)
     assert [c.deleted for c in ep.calls if c.kind == "delete"] == [wrong, second]
-    assert E.deleted_errors(doc, ep) == [True, False]  # the wrong sentence, then a correct one
+    assert evaluation.deleted_errors(doc, ep) == [True, False]  # the wrong sentence, then a correct one
 
 
 def test_sentence_events_record_each_written_sentence_and_what_followed():
@@ -130,19 +128,19 @@ def test_sentence_events_record_each_written_sentence_and_what_followed():
     text = (f"{wrong}<search>{wrong[:-1]}</search><delete scope=\"sentence\"/> {support} "
             f"{second}<search>{second[:-1]}</search> {third}")
     ep = S.replay(doc.text, text)
-    events = E.sentence_events(doc, ep)
+    events = evaluation.sentence_events(doc, ep)
     assert [(e["text"], e["wrong"], e["searched"], e["deleted"]) for e in events] == [
         (wrong, True, True, True), (second, False, True, False), (support, False, False, False),
         (third, False, False, False)]
     assert events[0]["found"] is True and events[0]["rewrite_wrong"] is False and events[1]["found"] is True
-    stats = E.tool_decision(events)
+    stats = evaluation.tool_decision(events)
     # wrong: delete (2); right: search (1), nothing (0), nothing (0): the wrong one outranks all
     assert stats["tool_auc"] == 1.0 and stats["delete_after_wrong"] == 1.0 and stats["delete_after_right"] == 0.0
     assert stats["search_after_right"] == pytest.approx(1 / 3) and stats["evidence_use"] == 1.0
     assert stats["search_found_fact"] == 1.0 and stats["wrong_written"] == 0.25
     # the rewrite repeats the error: evidence not used
     bad = S.replay(doc.text, f"{wrong}<search>{wrong[:-1]}</search><delete scope=\"sentence\"/> {wrong}")
-    assert E.tool_decision(E.sentence_events(doc, bad))["evidence_use"] == 0.0
+    assert evaluation.tool_decision(evaluation.sentence_events(doc, bad))["evidence_use"] == 0.0
 
 
 def test_fact_precision_counts_what_is_stated_and_the_share_that_states_nothing():
@@ -150,10 +148,10 @@ def test_fact_precision_counts_what_is_stated_and_the_share_that_states_nothing(
     that says nothing precise, so the share of summaries stating no fact sits beside it."""
     docs = list(newsworld.documents(4, seed=3))
     eps = [S.replay(d.text, t) for d, t in zip(docs, [docs[0].summary, "", "It was a day.", _swap_number(docs[3])])]
-    m = E.news_world_metrics(docs, eps, [[], [], [], [{"type": "number_change"}]])
+    m = evaluation.news_world_metrics(docs, eps, [[], [], [], [{"type": "number_change"}]])
     assert m["no_fact_rate"] == 0.5  # the empty summary and the one with no name, number or date
     assert 0.5 < m["fact_precision"] < 1.0  # one wrong number among what the two others state
-    right = E.news_world_metrics(docs[:2], eps[:2], [[], []])
+    right = evaluation.news_world_metrics(docs[:2], eps[:2], [[], []])
     assert right["fact_precision"] == 1.0 and right["no_fact_rate"] == 0.5
 
 
@@ -161,7 +159,7 @@ def test_fact_precision_counts_what_is_stated_and_the_share_that_states_nothing(
     ([2, 2], [0, 1], 1.0), ([0], [2], 0.0), ([1, 1], [1, 1], 0.5), ([2, 0], [1], 0.5), ([], [1], math.nan),
 ])
 def test_auc_by_hand(pos, neg, expected):
-    got = E.auc(pos, neg)
+    got = evaluation.auc(pos, neg)
     assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
 
 
@@ -173,7 +171,7 @@ def test_auc_equals_the_pairwise_count():
         pos = [rng.choice([0, 1, 2]) for _ in range(rng.randint(1, 9))]
         neg = [rng.choice([0, 1, 2]) for _ in range(rng.randint(1, 9))]
         pairs = [(a > b) + 0.5 * (a == b) for a in pos for b in neg]
-        assert E.auc(pos, neg) == pytest.approx(sum(pairs) / len(pairs))
+        assert evaluation.auc(pos, neg) == pytest.approx(sum(pairs) / len(pairs))
 
 
 # ---------------------------------------------------------------------------
@@ -189,7 +187,7 @@ def _delete_logprob(model, ep) -> float:
     """log P(the delete call) right after the first search's results, one forward on its own."""
     ctx = ep.tokenized(TOK).contexts()[1]
     assert TOK.decode(ctx).endswith("</results>")  # the decision comes right after the search's results
-    call = S.as_codec(TOK).encode(E.DELETE_CALL)
+    call = S.as_codec(TOK).encode(evaluation.DELETE_CALL)
     ids = torch.tensor([ctx + call])
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits[0].float(), -1)
@@ -199,7 +197,7 @@ def _delete_logprob(model, ep) -> float:
 def test_decision_probe_scores_the_delete_call_after_each_search_under_the_traces_context():
     model = tiny_llama(TOK, seed=0).eval()
     eps = [S.replay(DOC, t) for t in (WRONG_TRACE, RIGHT_TRACE, "Shares fell 3.5% in New York.")]
-    got = E.decision_probe(model, TOK, eps)
+    got = evaluation.decision_probe(model, TOK, eps)
     assert (got["decision_probe_deletes"], got["decision_probe_keeps"]) == (1, 1)  # no search, no decision
     wrong, right = _delete_logprob(model, eps[0]), _delete_logprob(model, eps[1])
     assert got["decision_probe_after_wrong"] == pytest.approx(wrong, abs=1e-4)
@@ -246,7 +244,7 @@ def test_decision_probe_in_eval_needs_the_corpus_and_reports_it(world, tmp_path)
     ("<delete", "", "", False),
 ])
 def test_tag_ban_rule(tag, written, piece, banned):
-    assert E.TagBan.banned(tag, written, piece) is banned
+    assert evaluation.TagBan.banned(tag, written, piece) is banned
 
 
 def _char_ids(text: str) -> list[int]:
@@ -271,7 +269,7 @@ def test_tag_ban_stops_a_policy_forced_to_write_tags(tokens):
     docs = [DOC, DOC]
 
     def run(tools):
-        ban = E.tool_processor(TOK, tools)
+        ban = evaluation.tool_processor(TOK, tools)
         proc = force if ban is None else (lambda rows, logits: ban(rows, force(rows, logits)))
         return R.rollout(model, TOK, docs, 2, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
 
@@ -282,7 +280,7 @@ def test_tag_ban_stops_a_policy_forced_to_write_tags(tokens):
         for e in eps:
             written = "".join(t.text for t in e.turns)
             assert {c.kind for c in e.calls} == kinds, (tools, written)
-            for tag in E.TOOLS_BANNED[tools]:
+            for tag in evaluation.TOOLS_BANNED[tools]:
                 assert tag not in written, (tools, written)
 
 
@@ -292,7 +290,7 @@ def test_tag_ban_under_evaluate_with_tools_none():
     cfg = E.Config(tools="none", n_samples=2, max_new_tokens=12, latency_docs=1,
                    reward=rewards.RewardConfig(factuality="lexical"))
     keep = []
-    m = E.evaluate(model, TOK, docs, cfg, keep)
+    m = evaluation.evaluate(model, TOK, docs, cfg, keep)
     assert m["searches"] == 0 and m["deletes"] == 0 and math.isnan(m["valid_call_rate"])
     assert math.isnan(m["rouge1"]) and math.isnan(m["deletes_removing_error"])  # no reference, no oracle
     assert math.isnan(m["pass_at_4"]) and 0 <= m["pass_at_2"] <= 1
@@ -353,8 +351,8 @@ def test_main_writes_every_metric_report_plots_and_samples(world):
 def test_no_samples_skips_the_sampled_pass_and_reports_pass_at_k_as_na(world, monkeypatch):
     root, _ = world
     calls = []
-    real = E._rollouts
-    monkeypatch.setattr(E, "_rollouts", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    real = evaluation._rollouts
+    monkeypatch.setattr(evaluation, "_rollouts", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
     cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=greedy_only", "n_samples=0"])
     E.main(cfg)
     m = json.loads((root / "runs" / "greedy_only" / "eval.json").read_text())["models"][0]["metrics"]
@@ -408,7 +406,7 @@ def test_bad_input_names_the_path_and_the_command(world, tmp_path):
         E.main(settings.load_config(E.Config, [*base, f"model={missing}"]))
     with pytest.raises(SystemExit, match="rl.py --config"):
         E.main(settings.load_config(E.Config, [*base, "model=runs/rl_nope/final"]))
-    with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.jsonl")) + ".*data.py newsworld"):
+    with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.jsonl")) + ".*python -m newsworld generate"):
         E.main(settings.load_config(E.Config, [*base, f"docs={tmp_path / 'no.jsonl'}"]))
     with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.json")) + ".*data.py split"):
         E.main(settings.load_config(E.Config, [*base, f"split={tmp_path / 'no.json'}"]))

@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import newsworld
-import oracle
-import factcheck as FC
 import rewards as R
-import textsplit
+from factual_tools import factcheck as FC, textsplit
+import newsworld
+from newsworld import oracle
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "bench"))  # appended: bench/rewards.py must not shadow rewards
@@ -88,16 +87,16 @@ def test_support_and_learned_are_reward_backends_named_as_what_they_are():
 
 def test_learned_backend_without_weights_names_the_train_command(tmp_path):
     cfg = R.RewardConfig(factuality="learned", learned=R.LearnedConfig(path=str(tmp_path / "none.json")))
-    with pytest.raises(FileNotFoundError, match="python factcheck.py train --out"):
+    with pytest.raises(FileNotFoundError, match="python -m factual_tools.factcheck train --out"):
         R.score(DOC, "Granite Group reported revenue.", cfg)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"features": ["x"], "mean": [0], "std": [1], "coef": [1], "bias": 0}))
     with pytest.raises(ValueError, match="not a learned scorer file"):
-        FC.load(str(bad))
+        R.load_learned(str(bad))
 
 
 def test_reward_config_keys_for_the_new_backends_are_checked():
-    import settings
+    from factual_tools import settings
 
     def build(mapping):
         flat = {}
@@ -138,14 +137,14 @@ def test_fit_takes_soft_targets():
 
 def test_features_are_the_support_score_and_missing_words():
     s = "Granite Group reported revenue of $5.1 billion on Tuesday in Texas."
-    f = FC.features(DOC, s)
+    f = R.learned_features(DOC, s)
     assert f[0] == R.support_factuality(DOC, s)
     assert f[1] == 2.0  # "5.1", "texas"
-    assert FC.features(DOC, "Granite Group reported revenue of $4.2 billion on Tuesday.") == [1.0, 0.0, 1.0]
-    assert FC.features(DOC, "") == [0.0, 0.0, 0.0]
-    fused = FC.features(DOC, "Jane Doe said shares rose 12%.")  # from two adjacent sentences
+    assert R.learned_features(DOC, "Granite Group reported revenue of $4.2 billion on Tuesday.") == [1.0, 0.0, 1.0]
+    assert R.learned_features(DOC, "") == [0.0, 0.0, 0.0]
+    fused = R.learned_features(DOC, "Jane Doe said shares rose 12%.")  # from two adjacent sentences
     assert fused[:2] == [1.0, 0.0] and fused[2] < 1.0
-    assert len(FC.features(DOC, s)) == len(FC.FEATURES)
+    assert len(R.learned_features(DOC, s)) == len(R.LEARNED_FEATURES)
 
 
 def test_support_repairs_sentence_boundaries_of_lower_cased_summaries_and_glued_documents():
@@ -163,13 +162,14 @@ def test_support_repairs_sentence_boundaries_of_lower_cased_summaries_and_glued_
     for claim in ("Analysts expected weaker sales.", "Analysts expected factories."):
         assert R.support_details(glued, claim)[1][0]["score"] == R.support_details(DOC, claim)[1][0]["score"]
     assert R.support_factuality(glued, "Analysts expected weaker sales.") == 1.0
-    assert FC.features(glued, "Analysts expected weaker sales.") == FC.features(DOC, "Analysts expected weaker sales.")
+    claim = "Analysts expected weaker sales."
+    assert R.learned_features(glued, claim) == R.learned_features(DOC, claim)
 
 
 def test_training_on_the_news_world_ranks_references_above_faulty_drafts(tmp_path):
     out = tmp_path / "w.json"
     FC.main(["train", "--newsworld", "40", "--out", str(out)])
-    model = FC.load(str(out))
+    model = R.load_learned(str(out))
     assert model.meta["trained_on"] == {"newsworld": 120}
     rng = __import__("random").Random(5)
     hits = []
@@ -184,7 +184,7 @@ def test_cross_validation_reads_the_dev_split_only_and_reports_both_scorers(tmp_
     records = [json.loads(line) for line in sample.read_text().splitlines()]
     rows = FC.dev_pairs(str(sample))
     assert len(rows) == sum(r["split"] == "dev" for r in records) == 16
-    news = [(FC.features(d, s), t) for d, s, t in FC.newsworld_pairs(6)]
+    news = [(R.learned_features(d, s), t) for d, s, t in FC.newsworld_pairs(6)]
     cv = FC.cross_validate(rows, news, k=2, seeds=(0,))
     assert set(cv) == {"cnndm", "xsum"} and all(set(v) == {"support", "learned"} for v in cv.values())
     assert all(0.0 <= ba <= 1.0 and -1.0 <= tau <= 1.0 for v in cv.values() for ba, tau in v.values())
@@ -196,7 +196,7 @@ def test_cross_validation_reads_the_dev_split_only_and_reports_both_scorers(tmp_
 
 
 def test_the_shipped_weights_load_and_say_what_trained_them():
-    model = FC.load(str(ROOT / R.LearnedConfig().path))
+    model = R.load_learned(str(ROOT / R.LearnedConfig().path))
     assert model.meta["splits_used"] == "dev only"
     assert set(model.meta["trained_on"]) >= {"newsworld"}
     assert model.coef[0] > 0  # more support, more likely consistent

@@ -8,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import settings
 import data
-import newsworld
-import oracle
 import filter_traces as ft
 import sandbox
-import textsplit
 import synth_traces as st
-import traces
-import teachers
+from factual_tools import claims, settings, teachers, textsplit, traces
+import newsworld
+from newsworld import oracle
 from helpers import DOC
 
 WORLD = list(newsworld.documents(8, seed=5))
@@ -84,14 +81,14 @@ def test_relevance_tfidf_cosine_between_top_result_and_correction():
     assert ft.relevance(good) >= 0.3
     sents = textsplit.split_sentences(doc.text)
     worst = min(range(len(sents)), key=lambda i: traces.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
-    key = oracle.rx_escape(" ".join(sents[worst].split()[:5]))
+    key = claims.rx_escape(" ".join(sents[worst].split()[:5]))
     assert sandbox.DocIndex(doc.text).search(f"/({key})/").hits[0] == worst
     bad, _ = _corrective(doc, key=key)
     assert ft.relevance(bad) < 0.3
     # function words do not make a result relevant, rare words (names, numbers) do
     assert traces.tfidf_cosine(doc.text, "the a of in to", "the a of in to and") < traces.tfidf_cosine(
         doc.text, sents[0], sents[0])
-    only = trace(f"{sents[0]}<search>/{oracle.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
+    only = trace(f"{sents[0]}<search>/{claims.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
     assert ft.relevance(only) is None  # nothing corrected, nothing to score
 
 
@@ -102,7 +99,7 @@ def test_factuality_gain_keeps_real_corrections_only(backend):
     gain = ft.factuality(doc, ep.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(ep), backend)
     assert gain >= 0.05
     right = textsplit.split_sentences(doc.summary)
-    same = trace(f"{right[0]}<search>/{oracle.rx_escape(right[0].split()[0])}/</search>{DEL} {right[0]} "
+    same = trace(f"{right[0]}<search>/{claims.rx_escape(right[0].split()[0])}/</search>{DEL} {right[0]} "
                  + " ".join(right[1:]), doc.text)
     assert ft.factuality(doc, same.summary, backend) - ft.factuality(doc, ft.uncorrected_draft(same), backend) < 0.05
 

@@ -1,4 +1,4 @@
-"""The remote launchers: modal_app.py plans pipeline.py's stages without importing modal,
+"""The remote launchers (launchers/): modal_app.py plans pipeline.py's stages without importing modal,
 and the Colab notebook runs top to bottom on a CPU."""
 import json
 import os
@@ -8,18 +8,20 @@ from pathlib import Path
 
 import pytest
 
-import modal_app
 import pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "notebooks" / "colab.ipynb"
+sys.path.insert(0, str(ROOT / "launchers"))
+import modal_app  # noqa: E402
+
+NOTEBOOK = ROOT / "launchers" / "colab.ipynb"
 
 
 def test_modal_runs_the_pipelines_own_stage_commands():
     assert modal_app.plan("cnn_qwen3_4b", "sft,rl_v19", ["sft.epochs=1"]) == [
         "python", "pipeline.py", "--profile", "cnn_qwen3_4b", "--only", "sft,rl_v19", "--set", "sft.epochs=1"]
     assert modal_app.plan("tiny", "all", []) == ["python", "pipeline.py", "--profile", "tiny"]
-    out = subprocess.run([sys.executable, "modal_app.py", "--stage", "sft,rl_v19", "--set", "sft.epochs=1",
+    out = subprocess.run([sys.executable, "launchers/modal_app.py", "--stage", "sft,rl_v19", "--set", "sft.epochs=1",
                           "--gpu", "H100", "--dry-run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     stages = {s.name: s for s in pipeline.CNN_STAGES}
     want = [" ".join(pipeline.with_overrides(stages["sft"], ["epochs=1"]).argv), " ".join(stages["rl_v19"].argv)]
@@ -33,8 +35,8 @@ def test_several_gpus_run_the_trainers_under_torchrun_and_the_rest_as_one_proces
         with pytest.raises(SystemExit, match="count"):
             modal_app.gpu_count(bad)
     assert modal_app.plan("cnn_qwen3_4b", "sft", [], gpus=4)[-2:] == ["--nproc", "4"]
-    out = subprocess.run([sys.executable, "modal_app.py", "--stage", "sft,rl_v19,eval", "--gpu", "A100-80GB:4",
-                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "launchers/modal_app.py", "--stage", "sft,rl_v19,eval", "--gpu",
+                          "A100-80GB:4", "--dry-run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     lines = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["sft"], ["rl_v19"], ["eval"])}
     assert "--nproc 4" in out and "gpu A100-80GB:4" in out
     for name in ("sft", "rl_v19"):
@@ -54,7 +56,8 @@ def test_modal_refuses_unknown_profiles_stages_and_overrides(args, named):
 
 
 def test_planning_never_imports_modal():
-    code = "import sys, modal_app; modal_app.plan('smollm', 'all', []); assert 'modal' not in sys.modules"
+    code = ("import sys; sys.path.insert(0, 'launchers'); import modal_app; modal_app.plan('smollm', 'all', []); "
+            "assert 'modal' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

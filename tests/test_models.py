@@ -1,6 +1,6 @@
 """Tiny policies, policy loading (LoRA, bitsandbytes, the reference view) and the memory planner.
 
-One tiny-1m model is built per module, through the `modeling.py` command line, and
+One tiny-1m model is built per module, through the `python -m newsworld.tiny` command line, and
 every model test loads it back through from_pretrained as a script would.
 """
 import dataclasses
@@ -14,16 +14,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import common
-import modeling
-import vram
 import sandbox
-from common import count_parameters
-from modeling import LoraConfig, ModelConfig, build_tiny_model, frozen_copy, load_policy, reference_model
-from settings import ConfigError, load_config
-from vram import ModelShape, PlanConfig, load_model_config, plan_memory
+from factual_tools import common, modeling, vram
+from factual_tools.common import count_parameters
+from factual_tools.modeling import LoraConfig, ModelConfig, frozen_copy, load_policy, reference_model
+from factual_tools.settings import ConfigError, load_config
+from factual_tools.vram import ModelShape, PlanConfig, load_model_config, plan_memory
+from newsworld import tiny
+from newsworld.tiny import build_tiny_model
 
-ROOT = Path(common.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "examples" / "doc.txt").read_text(encoding="utf-8").strip()
 TRACE = (ROOT / "examples" / "assistant.txt").read_text(encoding="utf-8").strip()
 MARKUP = (
@@ -37,7 +37,7 @@ MARKUP = (
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("models") / "tiny-1m"
-    run = subprocess.run([sys.executable, str(ROOT / "modeling.py"), "--preset", "tiny-1m",
+    run = subprocess.run([sys.executable, "-m", "newsworld.tiny", "--preset", "tiny-1m",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("tiny-1m (seed 0): ") and str(out) in run.stdout
@@ -51,7 +51,7 @@ def tok(tiny_dir):
 
 def _ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(len(modeling.SPECIAL_TOKENS), 500, (batch, length), generator=g)
+    return torch.randint(len(tiny.SPECIAL_TOKENS), 500, (batch, length), generator=g)
 
 
 # ---------------------------------------------------------------------------
@@ -60,13 +60,13 @@ def _ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def test_saved_tokenizer_is_the_trained_one(tiny_dir, tok):
-    fresh = modeling.tiny_tokenizer()  # trained again in this process; the CLI trained it in another
+    fresh = tiny.tiny_tokenizer()  # trained again in this process; the CLI trained it in another
     assert tok.get_vocab() == fresh.get_vocab()
     assert tok.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
-    assert tok.chat_template == fresh.chat_template == modeling.CHAT_TEMPLATE
+    assert tok.chat_template == fresh.chat_template == tiny.CHAT_TEMPLATE
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<|pad|>", "<|bos|>", "<|eot|>")
     assert tok.padding_side == "left"
-    assert 1000 <= len(tok) <= modeling.TOKENIZER_VOCAB
+    assert 1000 <= len(tok) <= tiny.TOKENIZER_VOCAB
     for text in (DOC, TRACE, MARKUP):
         assert tok.encode(text, add_special_tokens=False) == fresh.encode(text, add_special_tokens=False)
 
@@ -417,7 +417,7 @@ def test_a_vllm_teacher_is_split_over_tensor_parallel_gpus(monkeypatch):
     """model.tensor_parallel_size reaches vLLM's engine (a stand-in module records it)."""
     import types
 
-    import teachers
+    from factual_tools import teachers
 
     made = {}
     fake = types.ModuleType("vllm")

@@ -11,19 +11,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import data
-import newsvocab
-import newsworld
-import oracle
-import sandbox
-import textsplit
 from data import Document
+import sandbox
+from factual_tools import textsplit
+import newsworld
+from newsworld import oracle
+from newsworld import vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = list(newsworld.documents(400, 0))
 
 
 def run_cli(*args, env=None):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "newsworld", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc
@@ -45,7 +45,7 @@ def test_cli_newsworld_is_byte_identical_across_processes(tmp_path):
     outs = []
     for hashseed in ("1", "2"):  # str hashing differs between these processes; the output must not
         out = str(tmp_path / f"w{hashseed}.jsonl")
-        run_cli("newsworld", "--n", "150", "--seed", "0", "--out", out, env={**os.environ, "PYTHONHASHSEED": hashseed})
+        run_cli("generate", "--n", "150", "--seed", "0", "--out", out, env={**os.environ, "PYTHONHASHSEED": hashseed})
         outs.append(open(out, "rb").read())
     assert outs[0] == outs[1] and outs[0].count(b"\n") == 150
     assert outs[0].splitlines()[:25] == [data.dumps(d).encode() for d in WORLD[:25]]
@@ -293,6 +293,6 @@ def test_oracle_is_total_on_any_text(text):
 @given(st.integers(min_value=1, max_value=999_000_000_000))
 def test_money_is_written_and_read_back_consistently(amount):
     q = newsworld.money(amount)
-    assert newsvocab.parse_money(q.text) == q.amount
+    assert vocab.parse_money(q.text) == q.amount
     [m] = [m for m in oracle.parse_quantities(f"It cost {q.text} in all.") if m.kind == "qty"]
     assert oracle.qty_match(m.qty, q)

@@ -235,7 +235,8 @@ def test_stage_names_and_overrides_are_checked(tmp_path):
     assert {s.name for s in pipeline.STAGES} >= {"docs", "split", "base", "traces", "corpus", "sft", "rl", "eval",
                                                  "distill"}
     for s in pipeline.STAGES:
-        assert (ROOT / s.argv[0]).exists(), s.name
+        program = ROOT / (s.argv[1] if s.argv[0] == "-m" else s.argv[0])  # a script, or a package run with -m
+        assert program.exists(), s.name
         assert "--config" not in s.argv or (ROOT / s.argv[s.argv.index("--config") + 1]).exists(), s.name
 
 
@@ -320,7 +321,7 @@ def test_the_gpu_chain_dry_run_lists_the_recipe_in_order_and_every_config_loads(
     -> teacher episodes -> teacher SFT -> KTO -> v17, v18, v19 -> eval -> distill, each command
     the stage's own script and config; every config loads with its script's own Config, and
     each stage starts from the one the recipe names."""
-    import settings
+    from factual_tools import settings
     import distill
     import eval as eval_
     import filter_traces

@@ -13,14 +13,11 @@ import hypothesis
 from hypothesis import given
 from hypothesis import strategies as st
 
-import newsworld
-import oracle
-import claims
-import fenice
 import rewards as R
-import settings
 import sandbox
-import textsplit
+from factual_tools import claims, fenice, settings, textsplit
+import newsworld
+from newsworld import oracle
 from helpers import DOC, load_config_file
 
 # ---------------------------------------------------------------------------

@@ -15,15 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
-import settings
-import modeling
 import data
-import newsworld
 import rl
-import vram
-import rollout as R
 import sandbox as S
+from factual_tools import common, modeling, rollout as R, settings, vram
+import newsworld
+from newsworld import tiny
 from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, offline_trackers, save_tiny_policy, script_ids,
                      tiny_llama)
 
@@ -595,7 +592,7 @@ def test_v17_v18_v19_step_by_step():
 
 
 def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything():
-    code = ("import sys, settings, rl, vram; "
+    code = ("import sys, rl; from factual_tools import settings, vram; "
             "cfg = settings.load_config(rl.Config, ['--config', 'configs/drgrpo_v19.yaml']); "
             "print(vram.format_rl_plan(cfg)); print('transformers loaded:', 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -628,7 +625,7 @@ def test_the_plan_for_several_gpus_is_per_gpu_with_each_ranks_share_of_the_group
 @pytest.fixture(scope="module")
 def tiny_sft(tmp_path_factory):
     """Stands in for runs/sft_tiny/final: a full tiny-1m model saved with save_pretrained."""
-    return str(modeling.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("sft") / "final", seed=0))
+    return str(tiny.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("sft") / "final", seed=0))
 
 
 def test_the_tiny_config_runs_two_steps(tiny_sft, tmp_path):

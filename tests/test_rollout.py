@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-import rollout as R
+from factual_tools import rollout as R
+from newsworld import tiny
 from helpers import DOC, bpe_tokenizer, post_server, script_ids, tiny_llama
 
 TOK = bpe_tokenizer()
@@ -298,11 +299,11 @@ def test_api_client_gives_up_with_a_clear_error():
 @pytest.mark.gpu
 def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - needs CUDA and vLLM
     vllm = pytest.importorskip("vllm")
-    import modeling
+    from factual_tools import modeling
     import newsworld
     from transformers import AutoModelForCausalLM
 
-    path = modeling.build_tiny_model("tiny-1m", tmp_path / "m")
+    path = tiny.build_tiny_model("tiny-1m", tmp_path / "m")
     tok = modeling.load_tokenizer(path)
     llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
                    logprobs_mode="processed_logprobs")
@@ -325,7 +326,7 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    import modeling
+    from factual_tools import modeling
 
     vocab = {"<|im_end|>": 0, "<|endoftext|>": 1, "<|pad|>": 2, "a": 3, "b": 4, "<|special|>": 5}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rollout as R
 import sandbox
+from factual_tools import rollout as R
 from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
 
 TOK = bpe_tokenizer()

@@ -6,8 +6,7 @@ import time
 import pytest
 
 import sandbox as S
-
-import textsplit
+from factual_tools import textsplit
 from helpers import DOC
 
 # ---------------------------------------------------------------------------

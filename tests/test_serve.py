@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 
 import monitor
-import newsworld
 import rewards
-import rollout
 import sandbox
 import serve
-import settings
+from factual_tools import rollout, settings
+import newsworld
 from helpers import DOC, bpe_tokenizer, save_tiny_policy, script_ids, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +195,7 @@ def test_the_monitor_reads_every_rotated_file_and_alerts_past_a_threshold(server
     records, skipped = monitor.read_log(log)
     assert len(records) == 200 and sum("scores" in r for r in records) == 160 and not skipped
     assert [r["time"] for r in records] == sorted(r["time"] for r in records)
-    calm = subprocess.run([sys.executable, "eval.py", "--from-log", str(log), f"out={tmp_path / 'a'}", "window=40"],
+    calm = subprocess.run([sys.executable, "monitor.py", "--from-log", str(log), f"out={tmp_path / 'a'}", "window=40"],
                           cwd=ROOT, capture_output=True, text=True)
     assert calm.returncode == 0, calm.stderr
     assert "No threshold crossed" in calm.stdout and (tmp_path / "a" / "monitor.png").stat().st_size > 10_000

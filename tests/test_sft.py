@@ -11,12 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
-import settings
-import modeling
-import rollout
 import sandbox as S
 import sft
+from factual_tools import common, modeling, rollout, settings, training
+from newsworld.tiny import build_tiny_model
 from helpers import assert_trackers_match_metrics, killed_after_checkpoint, newsworld_traces, offline_trackers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = modeling.build_tiny_model("tiny-1m", tmp_path_factory.mktemp("m") / "tiny", seed=0)
+    path = build_tiny_model("tiny-1m", tmp_path_factory.mktemp("m") / "tiny", seed=0)
     return str(path)
 
 
@@ -115,7 +113,7 @@ def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(t
     text = (f"{WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%. Globex fell 3% in May."
             "<search>/Globex/</search> Globex fell.")
     ep = S.replay(MASK_DOC, text).tokenized(tok)
-    lens = sft.rewrite_lengths(ep, tok)
+    lens = training.rewrite_lengths(ep, tok)
     # only the turn after the delete has a rewrite, and its ids are exactly the rewritten sentence
     (k, n), = [(k, n) for k, n in enumerate(lens) if n]
     assert ep.turns[k - 1].call.kind == "delete"
@@ -173,10 +171,10 @@ def test_a_plain_mask_check_rejects_a_masked_branch_without_masked_ids(tiny):
 
 def test_epoch_batches_cover_each_item_once_and_repeat_by_seed():
     lengths = [i % 7 for i in range(50)]
-    a = sft.epoch_batches(50, lengths, 8, 2, seed=1, epoch=0)
+    a = training.epoch_batches(50, lengths, 8, 2, seed=1, epoch=0)
     assert sorted(i for b in a for i in b) == list(range(50))
-    assert a == sft.epoch_batches(50, lengths, 8, 2, seed=1, epoch=0)
-    assert a != sft.epoch_batches(50, lengths, 8, 2, seed=1, epoch=1)
+    assert a == training.epoch_batches(50, lengths, 8, 2, seed=1, epoch=0)
+    assert a != training.epoch_batches(50, lengths, 8, 2, seed=1, epoch=1)
 
 
 def test_epoch_batches_by_index_walk_the_epochs_in_order():
@@ -184,9 +182,9 @@ def test_epoch_batches_by_index_walk_the_epochs_in_order():
     cursor = sft.EpochBatches(items, lengths, batch=4, window=1, seed=7)
     assert cursor.per_epoch == 3
     for e in (0, 1):
-        want = sft.epoch_batches(10, lengths, 4, 1, 7, e)
+        want = training.epoch_batches(10, lengths, 4, 1, 7, e)
         assert [cursor(e * 3 + j) for j in range(3)] == [[items[k] for k in b] for b in want]
-    assert cursor(1) == [items[k] for k in sft.epoch_batches(10, lengths, 4, 1, 7, 0)[1]]  # back to epoch 0
+    assert cursor(1) == [items[k] for k in training.epoch_batches(10, lengths, 4, 1, 7, 0)[1]]  # back to epoch 0
 
 
 def test_optimizer_step_accumulates_and_a_non_finite_loss_updates_nothing():
@@ -313,7 +311,7 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path
 
 def test_the_base_stage_names_the_missing_documents_and_how_to_make_them(tmp_path):
     cfg = sft.DataConfig(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
-    with pytest.raises(SystemExit, match=r"docs.jsonl .*python data.py newsworld .*python data.py split"):
+    with pytest.raises(SystemExit, match=r"docs.jsonl .*python -m newsworld generate .*python data.py split"):
         sft.base_data(cfg, None, 4)
 
 

@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
-import modeling
-import newsworld
 import rl
-import rollout as R
 import sandbox
 import serve
 import sft
+from factual_tools import common, modeling, rollout as R
+import newsworld
 from helpers import script_ids
 
 ROOT = Path(__file__).resolve().parent.parent

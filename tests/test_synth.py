@@ -8,16 +8,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import settings
-import modeling
 import data
-import newsworld
-import oracle
 import sandbox
-import textsplit
 import synth_traces as st
-import traces
-import teachers
+from factual_tools import claims, modeling, settings, teachers, textsplit, traces
+import newsworld
+from newsworld import oracle
 
 DOCS = list(newsworld.documents(12, seed=3))
 
@@ -544,7 +540,7 @@ class _FlagFirst:
             if sents and doc.id not in self.seen:
                 first = textsplit.split_sentences(doc.text)[0]
                 labels = [{"error_span": sents[0][:3], "corrected_clause": first, "type": "entity_swap",
-                           "regex_key": oracle.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
+                           "regex_key": claims.rx_escape(" ".join(first.split()[:3])), "sentence_index": 0}]
             self.seen.add(doc.id)
             out.append(teachers.Annotation(labels=labels))
         return out

@@ -4,14 +4,13 @@ import json
 
 import pytest
 
-import settings
 import data
-import newsworld
-import oracle
 import rl
 import sandbox
-import textsplit
 import teacher_episodes as T
+from factual_tools import settings, textsplit
+import newsworld
+from newsworld import oracle
 from helpers import post_server
 
 
@@ -153,9 +152,9 @@ def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
 
 
 def test_the_oracle_server_answers_as_a_teacher_would():
-    import oracle_server
-    import rollout
-    import teachers
+    from newsworld import oracle_server
+    from factual_tools import rollout
+    from factual_tools import teachers
 
     docs = list(newsworld.documents(3, seed=4))
     url, httpd = oracle_server.serve(docs)

@@ -6,10 +6,10 @@ council), with a fact table and a 2-4 sentence reference summary built from its
 key facts. Distractor sentences reuse the article's own entities and numbers in
 other roles (last year's revenue, a rival's bid), so careless copying errs.
 Article i depends only on (seed, i): `documents(n, seed)` and
-`world_document(seed, i)` are the entry points; `python data.py newsworld` writes
+`world_document(seed, i)` are the entry points; `python -m newsworld generate` writes
 them as Document JSONL. `oracle.py` checks any summary against the fact table.
 
-Its values, names and family building blocks are in `newsvocab.py`. Stdlib only (no torch, no numpy).
+Its values, names and family building blocks are in `vocab.py`. Stdlib only (no torch, no numpy).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Iterator
 
 import data
 from data import MONTHS, DataError, Document, seeded_rng
-from newsvocab import (
-    WORLD_VERSION, C, Cast, Ent, Family, Qty, S, Sent, U, When, _F, _Vals, count, money, score, verb, when,
+from newsworld.vocab import (
+    WORLD_VERSION, C, Cast, Ent, Family, Qty, S, Sent, U, When, DraftFact, Values, count, money, score, verb, when,
 )
 
 
@@ -32,8 +32,8 @@ from newsvocab import (
 
 # --- earnings --------------------------------------------------------------
 
-def _make_earnings(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_earnings(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     c, rival, ceo, an, bank, city = (cast.take(p) for p in ("company", "company", "person", "person", "firm", "city"))
     y = r.randint(2016, 2029)
     qm, qd = r.choice([(3, 31), (6, 30), (9, 30), (12, 31)])
@@ -44,21 +44,21 @@ def _make_earnings(r: random.Random) -> dict[str, _F]:
     tries = iter(range(1000))
     # The exact prior can print like a value already drawn (same rounded text):
     # then a value within 3% keeps the story coherent and every value distinct.
-    prior = v._new(lambda: money(int(round(exact if next(tries) == 0 else exact * r.uniform(0.97, 1.03)))))
+    prior = v.distinct(lambda: money(int(round(exact if next(tries) == 0 else exact * r.uniform(0.97, 1.03)))))
     return {
-        "rev": _F(c, value=rev, date=v._new(lambda: when(y, qm, qd))),
-        "growth": _F(c, value=growth, pred="rise" if up else "fall"),
-        "prior": _F(c, value=prior, date=v._new(lambda: when(y - 1, qm, qd))),
-        "est": _F(c, value=v.near(rev, 0.9, 1.1)),
-        "rival": _F(rival, value=v.near(rev, 0.4, 1.6)),
-        "profit": _F(c, value=v.near(rev, 0.04, 0.2)),
-        "guidance": _F(c, value=v.near(rev, 3.6, 4.6), date=v._new(lambda: when(y + 1))),
-        "jobs": _F(c, value=v.count(200, 6000, "jobs"), pred="cut" if r.random() < 0.6 else "add"),
-        "shares": _F(c, value=v.pct(1, 15), pred=r.choice(["rise", "fall"])),
-        "ceo": _F(ceo, obj=c),
-        "analyst": _F(an, obj=bank),
-        "hq": _F(c, obj=city),
-        "founded": _F(c, date=v.year(1990, 2012)),
+        "rev": DraftFact(c, value=rev, date=v.distinct(lambda: when(y, qm, qd))),
+        "growth": DraftFact(c, value=growth, pred="rise" if up else "fall"),
+        "prior": DraftFact(c, value=prior, date=v.distinct(lambda: when(y - 1, qm, qd))),
+        "est": DraftFact(c, value=v.near(rev, 0.9, 1.1)),
+        "rival": DraftFact(rival, value=v.near(rev, 0.4, 1.6)),
+        "profit": DraftFact(c, value=v.near(rev, 0.04, 0.2)),
+        "guidance": DraftFact(c, value=v.near(rev, 3.6, 4.6), date=v.distinct(lambda: when(y + 1))),
+        "jobs": DraftFact(c, value=v.count(200, 6000, "jobs"), pred="cut" if r.random() < 0.6 else "add"),
+        "shares": DraftFact(c, value=v.pct(1, 15), pred=r.choice(["rise", "fall"])),
+        "ceo": DraftFact(ceo, obj=c),
+        "analyst": DraftFact(an, obj=bank),
+        "hq": DraftFact(c, obj=city),
+        "founded": DraftFact(c, date=v.year(1990, 2012)),
     }
 
 
@@ -132,24 +132,25 @@ EARNINGS = Family(
 
 # --- acquisitions ----------------------------------------------------------
 
-def _make_acquisition(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_acquisition(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     a, t, bidder, past_t = (cast.take("company") for _ in range(4))
     ceo_a, ceo_t, agency, city = cast.take("person"), cast.take("person"), cast.take("agency"), cast.take("city")
     y = r.randint(2016, 2029)
     price = v.big_money(1.5, 60)
     return {
-        "deal": _F(a, obj=t, value=price, date=v.date(y), pred="buy"),
-        "premium": _F(a, obj=t, value=v.pct(12, 60)),
-        "close": _F(a, obj=t, date=v._new(lambda: when(y + 1, r.randint(1, 12)))),
-        "staff": _F(t, value=v.count(800, 40000, "employees")),
-        "bid": _F(bidder, obj=t, value=v.near(price, 0.7, 0.95), date=v._new(lambda: when(y - 1, r.randint(1, 12)))),
-        "past": _F(a, obj=past_t, value=v.near(price, 0.1, 0.6), date=v.year(y - 8, y - 2)),
-        "reg": _F(a, obj=agency, pred="require", polarity=r.random() < 0.6),
-        "ceo_a": _F(ceo_a, obj=a),
-        "ceo_t": _F(ceo_t, obj=t),
-        "hq": _F(t, obj=city),
-        "shares_t": _F(t, value=v.pct(5, 40), pred="rise"),
+        "deal": DraftFact(a, obj=t, value=price, date=v.date(y), pred="buy"),
+        "premium": DraftFact(a, obj=t, value=v.pct(12, 60)),
+        "close": DraftFact(a, obj=t, date=v.distinct(lambda: when(y + 1, r.randint(1, 12)))),
+        "staff": DraftFact(t, value=v.count(800, 40000, "employees")),
+        "bid": DraftFact(bidder, obj=t, value=v.near(price, 0.7, 0.95),
+                         date=v.distinct(lambda: when(y - 1, r.randint(1, 12)))),
+        "past": DraftFact(a, obj=past_t, value=v.near(price, 0.1, 0.6), date=v.year(y - 8, y - 2)),
+        "reg": DraftFact(a, obj=agency, pred="require", polarity=r.random() < 0.6),
+        "ceo_a": DraftFact(ceo_a, obj=a),
+        "ceo_t": DraftFact(ceo_t, obj=t),
+        "hq": DraftFact(t, obj=city),
+        "shares_t": DraftFact(t, value=v.pct(5, 40), pred="rise"),
     }
 
 
@@ -209,8 +210,8 @@ ACQUISITION = Family(
 
 # --- elections -------------------------------------------------------------
 
-def _make_election(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_election(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     w, loser, prev = cast.take("person"), cast.take("person"), cast.take("person")
     party_w, party_l = cast.take("party"), cast.take("party")
     place = cast.take("city") if r.random() < 0.6 else cast.take("region")
@@ -218,15 +219,15 @@ def _make_election(r: random.Random) -> dict[str, _F]:
     y = r.randint(2016, 2030)
     share_w = v.pct(41, 68)
     return {
-        "win": _F(w, obj=place, value=share_w, date=v.date(y), pred="win", extra={"office": office}),
-        "votes": _F(w, value=v.count(12000, 900000, "votes", step=1)),
-        "loser": _F(loser, obj=party_l, value=v.pct(20, min(40.0, share_w.amount - 1))),
-        "turnout": _F(place, value=v.pct(35, 80)),
-        "party": _F(w, obj=party_w),
-        "prev": _F(prev, obj=place, date=v.year(y - 16, y - 5)),
-        "prior": _F(loser, value=v.pct(25, 60), date=v._new(lambda: when(y - 4))),
-        "pledge": _F(w, value=v.count(1000, 50000, "new homes", "homes", step=100)),
-        "sworn": _F(w, date=v.date(y)),
+        "win": DraftFact(w, obj=place, value=share_w, date=v.date(y), pred="win", extra={"office": office}),
+        "votes": DraftFact(w, value=v.count(12000, 900000, "votes", step=1)),
+        "loser": DraftFact(loser, obj=party_l, value=v.pct(20, min(40.0, share_w.amount - 1))),
+        "turnout": DraftFact(place, value=v.pct(35, 80)),
+        "party": DraftFact(w, obj=party_w),
+        "prev": DraftFact(prev, obj=place, date=v.year(y - 16, y - 5)),
+        "prior": DraftFact(loser, value=v.pct(25, 60), date=v.distinct(lambda: when(y - 4))),
+        "pledge": DraftFact(w, value=v.count(1000, 50000, "new homes", "homes", step=100)),
+        "sworn": DraftFact(w, date=v.date(y)),
     }
 
 
@@ -280,8 +281,8 @@ ELECTION = Family(
 
 # --- sports results ----------------------------------------------------------
 
-def _make_sports(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_sports(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     home, away = cast.take("team"), cast.take("team")
     star, hurt, coach, venue = cast.take("person"), cast.take("person"), cast.take("person"), cast.take("city")
     y = r.randint(2016, 2030)
@@ -294,14 +295,14 @@ def _make_sports(r: random.Random) -> dict[str, _F]:
         res, prev = score(h, h - r.randint(1, 20)), score(r.randint(100, 125), r.randint(80, 99))
         scored = count(r.randint(18, 45), "points")
     return {
-        "result": _F(home, obj=away, value=res, date=v.date(y), pred="beat"),
-        "scorer": _F(star, obj=home, value=scored),
-        "crowd": _F(home, value=v.count(8000, 80000, None, "spectators")),
-        "venue": _F(home, obj=venue),
-        "season": _F(home, value=v.small(5, 30, "wins")),
-        "prev": _F(away, obj=home, value=prev, date=v._new(lambda: when(y - 1))),
-        "coach": _F(coach, obj=home),
-        "injury": _F(hurt, obj=away, pred="play", polarity=False),
+        "result": DraftFact(home, obj=away, value=res, date=v.date(y), pred="beat"),
+        "scorer": DraftFact(star, obj=home, value=scored),
+        "crowd": DraftFact(home, value=v.count(8000, 80000, None, "spectators")),
+        "venue": DraftFact(home, obj=venue),
+        "season": DraftFact(home, value=v.small(5, 30, "wins")),
+        "prev": DraftFact(away, obj=home, value=prev, date=v.distinct(lambda: when(y - 1))),
+        "coach": DraftFact(coach, obj=home),
+        "injury": DraftFact(hurt, obj=away, pred="play", polarity=False),
     }
 
 
@@ -349,21 +350,21 @@ SPORTS = Family(
 
 # --- court rulings -----------------------------------------------------------
 
-def _make_court(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_court(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     court, plaintiff, defendant, judge = cast.take("court"), cast.take("company"), cast.take("company"), cast.take("person")
     y = r.randint(2016, 2030)
     damages = v.millions(5, 900)
     return {
-        "ruling": _F(court, obj=plaintiff, other=defendant, date=v.date(y),
+        "ruling": DraftFact(court, obj=plaintiff, other=defendant, date=v.date(y),
                      pred="rule_for" if r.random() < 0.8 else "rule_against"),
-        "damages": _F(defendant, obj=plaintiff, value=damages),
-        "judge": _F(judge, obj=court),
-        "appeal": _F(defendant, pred="appeal", polarity=r.random() < 0.6),
-        "lower": _F(plaintiff, value=v.near(damages, 0.3, 0.8), date=v.year(y - 5, y - 1)),
-        "sought": _F(plaintiff, value=v.near(damages, 1.5, 4.0)),
-        "filed": _F(plaintiff, obj=defendant, date=v.year(y - 9, y - 2)),
-        "patents": _F(plaintiff, value=v.small(2, 40, "patents")),
+        "damages": DraftFact(defendant, obj=plaintiff, value=damages),
+        "judge": DraftFact(judge, obj=court),
+        "appeal": DraftFact(defendant, pred="appeal", polarity=r.random() < 0.6),
+        "lower": DraftFact(plaintiff, value=v.near(damages, 0.3, 0.8), date=v.year(y - 5, y - 1)),
+        "sought": DraftFact(plaintiff, value=v.near(damages, 1.5, 4.0)),
+        "filed": DraftFact(plaintiff, obj=defendant, date=v.year(y - 9, y - 2)),
+        "patents": DraftFact(plaintiff, value=v.small(2, 40, "patents")),
     }
 
 
@@ -413,20 +414,20 @@ COURT = Family(
 
 # --- storms ------------------------------------------------------------------
 
-def _make_storm(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_storm(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     storm, old_storm, city, official, agency = (cast.take(p) for p in ("storm", "storm", "city", "person", "agency"))
     y = r.randint(2016, 2030)
     deaths = v.small(3, 180, "people")
     return {
-        "hit": _F(storm, obj=city, value=v.count(80, 180, "mph", step=5), date=v.date(y), pred="hit"),
-        "deaths": _F(storm, value=deaths, pred="kill"),
-        "evac": _F(storm, obj=city, value=v.count(2000, 250000, "residents", step=100)),
-        "damage": _F(storm, value=v.big_money(0.1, 12) if r.random() < 0.5 else v.millions(20, 900)),
-        "power": _F(storm, value=v.count(10000, 900000, "homes", step=100)),
-        "official": _F(official, obj=agency),
-        "past": _F(old_storm, value=v.small(5, 400, "people"), date=v.year(1990, y - 3)),
-        "aid": _F(agency, value=v.millions(5, 500)),
+        "hit": DraftFact(storm, obj=city, value=v.count(80, 180, "mph", step=5), date=v.date(y), pred="hit"),
+        "deaths": DraftFact(storm, value=deaths, pred="kill"),
+        "evac": DraftFact(storm, obj=city, value=v.count(2000, 250000, "residents", step=100)),
+        "damage": DraftFact(storm, value=v.big_money(0.1, 12) if r.random() < 0.5 else v.millions(20, 900)),
+        "power": DraftFact(storm, value=v.count(10000, 900000, "homes", step=100)),
+        "official": DraftFact(official, obj=agency),
+        "past": DraftFact(old_storm, value=v.small(5, 400, "people"), date=v.year(1990, y - 3)),
+        "aid": DraftFact(agency, value=v.millions(5, 500)),
     }
 
 
@@ -476,22 +477,22 @@ STORM = Family(
 
 # --- product launches ----------------------------------------------------------
 
-def _make_launch(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_launch(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     c, product, rival, rival_product, ceo, city = (cast.take(p) for p in
                                                    ("company", "product", "company", "product", "person", "city"))
     y = r.randint(2016, 2030)
     m = r.randint(1, 10)
     return {
-        "launch": _F(c, obj=product, date=v.date(y, m), pred="launch"),
-        "price": _F(product, value=v.dollars(200, 2000)),
-        "orders": _F(c, value=v.count(20000, 2000000, "orders", step=1000)),
-        "battery": _F(product, value=v.small(8, 40, "hours")),
-        "rival": _F(rival, obj=rival_product, value=v.dollars(200, 2000)),
-        "prev": _F(c, value=v.dollars(200, 2000), date=v.year(y - 4, y - 1)),
-        "ceo": _F(ceo, obj=c),
-        "ship": _F(product, date=v.date(y, m + r.randint(1, 2))),
-        "factory": _F(c, obj=city),
+        "launch": DraftFact(c, obj=product, date=v.date(y, m), pred="launch"),
+        "price": DraftFact(product, value=v.dollars(200, 2000)),
+        "orders": DraftFact(c, value=v.count(20000, 2000000, "orders", step=1000)),
+        "battery": DraftFact(product, value=v.small(8, 40, "hours")),
+        "rival": DraftFact(rival, obj=rival_product, value=v.dollars(200, 2000)),
+        "prev": DraftFact(c, value=v.dollars(200, 2000), date=v.year(y - 4, y - 1)),
+        "ceo": DraftFact(ceo, obj=c),
+        "ship": DraftFact(product, date=v.date(y, m + r.randint(1, 2))),
+        "factory": DraftFact(c, obj=city),
     }
 
 
@@ -545,21 +546,21 @@ _CONDITIONS = ["heart disease", "migraine", "type 2 diabetes", "asthma attacks",
                "severe influenza", "liver disease", "hip fractures", "memory loss"]
 
 
-def _make_research(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_research(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     univ, lead, journal, drug, funder = (cast.take(p) for p in ("university", "person", "journal", "drug", "agency"))
     cond = r.choice(_CONDITIONS).replace("type 2 ", "")  # no stray digits in the condition
     y = r.randint(2016, 2030)
     return {
-        "study": _F(univ, obj=journal, date=v.date(y)),
-        "finding": _F(drug, value=v.pct(10, 60), pred="reduce" if r.random() < 0.8 else "increase",
+        "study": DraftFact(univ, obj=journal, date=v.date(y)),
+        "finding": DraftFact(drug, value=v.pct(10, 60), pred="reduce" if r.random() < 0.8 else "increase",
                       extra={"condition": cond}),
-        "people": _F(univ, value=v.count(200, 12000, "participants")),
-        "months": _F(univ, value=v.small(6, 36, "months")),
-        "lead": _F(lead, obj=univ),
-        "earlier": _F(None, value=v.pct(5, 45), date=v.year(y - 10, y - 2), extra={"condition": cond}),
-        "funding": _F(funder, value=v.millions(2, 90)),
-        "side": _F(drug, value=v.pct(2, 20)),
+        "people": DraftFact(univ, value=v.count(200, 12000, "participants")),
+        "months": DraftFact(univ, value=v.small(6, 36, "months")),
+        "lead": DraftFact(lead, obj=univ),
+        "earlier": DraftFact(None, value=v.pct(5, 45), date=v.year(y - 10, y - 2), extra={"condition": cond}),
+        "funding": DraftFact(funder, value=v.millions(2, 90)),
+        "side": DraftFact(drug, value=v.pct(2, 20)),
     }
 
 
@@ -610,21 +611,21 @@ RESEARCH = Family(
 
 # --- funding rounds ------------------------------------------------------------
 
-def _make_funding(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_funding(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     startup, investor, investor2, founder, city = (cast.take(p) for p in ("company", "firm", "firm", "person", "city"))
     y = r.randint(2016, 2030)
     amount = v.millions(5, 400)
     return {
-        "round": _F(startup, value=amount, date=v.date(y), pred="raise"),
-        "investor": _F(investor, obj=startup),
-        "investor2": _F(investor2, obj=startup),
-        "valuation": _F(startup, value=v.near(amount, 5, 12)),
-        "prev": _F(startup, value=v.near(amount, 0.15, 0.6), date=v.year(y - 3, y - 1)),
-        "hires": _F(startup, value=v.count(20, 500, "engineers")),
-        "founder": _F(founder, obj=startup, date=v.year(2005, y - 2)),
-        "customers": _F(startup, value=v.count(200, 90000, "customers")),
-        "hq": _F(startup, obj=city),
+        "round": DraftFact(startup, value=amount, date=v.date(y), pred="raise"),
+        "investor": DraftFact(investor, obj=startup),
+        "investor2": DraftFact(investor2, obj=startup),
+        "valuation": DraftFact(startup, value=v.near(amount, 5, 12)),
+        "prev": DraftFact(startup, value=v.near(amount, 0.15, 0.6), date=v.year(y - 3, y - 1)),
+        "hires": DraftFact(startup, value=v.count(20, 500, "engineers")),
+        "founder": DraftFact(founder, obj=startup, date=v.year(2005, y - 2)),
+        "customers": DraftFact(startup, value=v.count(200, 90000, "customers")),
+        "hq": DraftFact(startup, obj=city),
     }
 
 
@@ -679,23 +680,23 @@ _PROJECTS = ["bridge", "light rail line", "water treatment plant", "sports arena
              "library", "flood barrier", "bus depot", "concert hall"]
 
 
-def _make_council(r: random.Random) -> dict[str, _F]:
-    cast, v = Cast(r), _Vals(r)
+def _make_council(r: random.Random) -> dict[str, DraftFact]:
+    cast, v = Cast(r), Values(r)
     council, mayor, builder = cast.take("council"), cast.take("person"), cast.take("company")
     project = r.choice(_PROJECTS)
     y = r.randint(2016, 2028)
     budget = v.big_money(0.2, 6) if r.random() < 0.4 else v.millions(20, 900)
     yes = r.randint(5, 11)
     return {
-        "vote": _F(council, value=budget, date=v.date(y), pred="approve" if r.random() < 0.8 else "reject",
+        "vote": DraftFact(council, value=budget, date=v.date(y), pred="approve" if r.random() < 0.8 else "reject",
                    extra={"project": project}),
-        "tally": _F(council, value=score(yes, r.randint(1, yes - 1))),
-        "done": _F(council, date=v.year(y + 2, y + 6), extra={"project": project}),
-        "jobs": _F(council, value=v.count(100, 5000, "jobs")),
-        "mayor": _F(mayor, obj=council),
-        "prior": _F(council, value=v.near(budget, 0.4, 0.9), date=v.year(y - 12, y - 2)),
-        "builder": _F(builder, extra={"project": project}),
-        "serve": _F(council, value=v.count(5000, 400000, "residents", step=100), extra={"project": project}),
+        "tally": DraftFact(council, value=score(yes, r.randint(1, yes - 1))),
+        "done": DraftFact(council, date=v.year(y + 2, y + 6), extra={"project": project}),
+        "jobs": DraftFact(council, value=v.count(100, 5000, "jobs")),
+        "mayor": DraftFact(mayor, obj=council),
+        "prior": DraftFact(council, value=v.near(budget, 0.4, 0.9), date=v.year(y - 12, y - 2)),
+        "builder": DraftFact(builder, extra={"project": project}),
+        "serve": DraftFact(council, value=v.count(5000, 400000, "residents", step=100), extra={"project": project}),
     }
 
 
@@ -787,7 +788,7 @@ CONTEXT: dict[str, tuple[tuple[str, str], ...]] = {
 
 _SLOT = re.compile(r"\{(\w+)\.(\w+)\}")
 _OPTIONAL = re.compile(r"\[(\w+):([^\]]*)\]")
-_ENTITY_ATTRS = ("subj", "obj", "other")
+ENTITY_ATTRS = ("subj", "obj", "other")
 
 
 @dataclass(frozen=True)
@@ -798,8 +799,8 @@ class Slot:
     end: int
 
 
-def slot_text(f: _F, attr: str, verb_text: str | None = None) -> str:
-    if attr in _ENTITY_ATTRS:
+def slot_text(f: DraftFact, attr: str, verb_text: str | None = None) -> str:
+    if attr in ENTITY_ATTRS:
         ent = getattr(f, attr)
         if ent is None:
             raise KeyError(f"template uses {attr} of a fact that has none")
@@ -813,7 +814,7 @@ def slot_text(f: _F, attr: str, verb_text: str | None = None) -> str:
     return f.extra[attr]
 
 
-def render(template: str, facts: dict[str, _F], verbs: dict[str, str],
+def render(template: str, facts: dict[str, DraftFact], verbs: dict[str, str],
            include: Callable[[str], bool] = lambda role: False,
            override: dict[tuple[str, str], str] | None = None) -> tuple[str, list[Slot], list[str]]:
     """Fill a template: (text, slots with their character spans, roles of the optional clauses kept).
@@ -848,7 +849,7 @@ def render(template: str, facts: dict[str, _F], verbs: dict[str, str],
     return "".join(out), slots, kept
 
 
-def _choose_verbs(facts: dict[str, _F], rng: random.Random) -> dict[str, str]:
+def choose_verbs(facts: dict[str, DraftFact], rng: random.Random) -> dict[str, str]:
     return {role: verb(f.pred, f.polarity, rng) for role, f in facts.items() if f.pred}
 
 
@@ -870,7 +871,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
     facts = family.make(er)
     context = CONTEXT[family.name]
     for k, (_, sentence) in enumerate(context):
-        facts[f"ctx{k}"] = _F(None, extra={"text": sentence})
+        facts[f"ctx{k}"] = DraftFact(None, extra={"text": sentence})
 
     sr = seeded_rng(seed, "surface", i)
     # The summary: the lead unit plus one to three others; their roles are the key facts.
@@ -888,7 +889,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
     chosen = need + rest[:max(0, n_sent - 1 - len(need))]
     sr.shuffle(chosen)
 
-    verbs = _choose_verbs(facts, sr)
+    verbs = choose_verbs(facts, sr)
     sentences, stated = [], {}
     for idx, spec in enumerate([lead] + chosen):
         text, _, kept = render(sr.choice(spec.templates), facts, verbs, include=lambda role: sr.random() < 0.5)
@@ -901,11 +902,11 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
              for k, role in enumerate(order)]
     entities: dict[str, str] = {}
     for role in order:
-        for attr in _ENTITY_ATTRS:
+        for attr in ENTITY_ATTRS:
             ent = getattr(facts[role], attr)
             if ent is not None:
                 entities.setdefault(ent.name, ent.type)
-    summary_verbs = _choose_verbs(facts, sr)
+    summary_verbs = choose_verbs(facts, sr)
     summary = " ".join(render(sr.choice(u.templates), facts, summary_verbs)[0] for u in units)
     return Document(id=f"nw-{seed}-{i:06d}", text=" ".join(sentences), summary=summary, source="newsworld",
                     bucket=family.name, facts=table, entities=entities,
@@ -920,7 +921,7 @@ def documents(n: int, seed: int = 0, start: int = 0, retell_rate: float = 0.08) 
 
 # --- fact tables -----------------------------------------------------------------
 
-def fact_to_dict(fid: str, family: str, role: str, f: _F, sentence: int, key: bool) -> dict:
+def fact_to_dict(fid: str, family: str, role: str, f: DraftFact, sentence: int, key: bool) -> dict:
     return {
         "id": fid,
         "kind": f"{family}.{role}",
@@ -939,17 +940,17 @@ def fact_to_dict(fid: str, family: str, role: str, f: _F, sentence: int, key: bo
     }
 
 
-def fact_from_dict(d: dict, entities: dict[str, str]) -> _F:
+def fact_from_dict(d: dict, entities: dict[str, str]) -> DraftFact:
     def ent(name):
         return Ent(name, entities.get(name, "unknown")) if name else None
 
     value = Qty(d["value"], d["amount"], d["unit"]) if d.get("value") is not None else None
     date = parse_when(d["date"]) if d.get("date") else None
-    return _F(ent(d.get("subject")), ent(d.get("object")), ent(d.get("other")), value, date,
+    return DraftFact(ent(d.get("subject")), ent(d.get("object")), ent(d.get("other")), value, date,
               d.get("predicate"), d.get("polarity", True), dict(d.get("extra") or {}))
 
 
-def doc_facts(doc: Document) -> dict[str, tuple[dict, _F]]:
+def doc_facts(doc: Document) -> dict[str, tuple[dict, DraftFact]]:
     """role -> (fact dict, fact) for a news world document."""
     if not doc.facts:
         raise DataError(f"document {doc.id!r} has no fact table (only news world documents do)")

@@ -1,10 +1,10 @@
 """Run pipeline stages on a Modal GPU, with a persistent volume for runs/ and out/.
 
-    pip install modal && modal setup                                        # once: the client and a token
-    python modal_app.py --profile cnn_qwen3_4b --stage sft,rl_v19 --gpu A100-80GB --secret hf
-    python modal_app.py --profile smollm --stage all --gpu L4               # the news-world chain, on a GPU box
-    python modal_app.py --profile cnn_qwen3_4b --stage sft --gpu A100-80GB:4   # SFT data-parallel on 4 GPUs
-    python modal_app.py --profile cnn_qwen3_4b --stage all --dry-run        # what it would run; modal not needed
+    pip install modal && modal setup                  # once: the client and a token
+    python launchers/modal_app.py --profile cnn_qwen3_4b --stage sft,rl_v19 --gpu A100-80GB --secret hf
+    python launchers/modal_app.py --profile smollm --stage all --gpu L4            # the news-world chain, on a GPU
+    python launchers/modal_app.py --profile cnn_qwen3_4b --stage sft --gpu A100-80GB:4   # SFT data-parallel, 4 GPUs
+    python launchers/modal_app.py --profile cnn_qwen3_4b --stage all --dry-run     # what it would run; no modal needed
     modal volume get factual-tools-runs runs/drgrpo_v19/final ./rl_v19  # fetch a result
 
 The container runs `python pipeline.py --profile P --only STAGES [--set ...]`
@@ -24,9 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pipeline
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: pipeline.py and the code it runs
+sys.path.insert(0, str(ROOT))
+import pipeline  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent
 REMOTE = "/root/factual-tools"
 VOLUME = "factual-tools-runs"
 IGNORE = [".git", "runs", "out", "wandb", "**/__pycache__", "**/*.pyc"]

@@ -3,8 +3,8 @@
 Values (money, percentages, counts, scores, dates) with their surface forms;
 the fixed cast of people, companies, places and institutions; predicate classes
 with their affirmative and negated forms and the conflicting class; and the
-declarative building blocks of an event family (`_F`, `Sent`, `Unit`, `Family`,
-`S`, `U`, `C`, `_Vals`). `newsworld.py` defines the ten families and generates
+declarative building blocks of an event family (`DraftFact`, `Sent`, `Unit`, `Family`,
+`S`, `U`, `C`, `Values`). `newsworld.py` defines the ten families and generates
 articles from them; `oracle.py` reads values and names back out of text.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ class When:
     d: int | None = None
 
 
-_MONTH_DAYS = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
+MONTH_DAYS = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
 
 
 def when(y: int, m: int | None = None, d: int | None = None) -> When:
@@ -223,7 +223,7 @@ class Cast:
         names = pools()[pool]
         for _ in range(200):
             name = self.rng.choice(names)
-            ws = {w for w in name.replace(".", " ").split() if len(w) > 2 and w not in _SHARED_NAME_WORDS}
+            ws = {w for w in name.replace(".", " ").split() if len(w) > 2 and w not in SHARED_NAME_WORDS}
             if not ws & self.used_words:
                 self.used_words |= ws
                 return Ent(name, POOL_TYPE.get(pool, pool))
@@ -231,7 +231,7 @@ class Cast:
 
 
 # Words many names share; sharing them does not make two names confusable.
-_SHARED_NAME_WORDS = frozenset("University State Institute Technology District Court Appeals Supreme City Council "
+SHARED_NAME_WORDS = frozenset("University State Institute Technology District Court Appeals Supreme City Council "
                                "Storm Hurricane Cyclone Typhoon Journal Annals Review Bulletin Archives Letters "
                                "Research Medicine Science Health".split())
 
@@ -274,8 +274,8 @@ CONFLICT = {"rise": "fall", "fall": "rise", "buy": "sell", "sell": "buy", "win":
             "launch": "cancel", "cancel": "launch", "reduce": "increase", "increase": "reduce",
             "cut": "add", "add": "cut", "approve": "reject", "reject": "approve"}
 # Extra words that signal a class without being a verb form the generator writes.
-_PRED_EXTRA = {"rise": ("up",), "fall": ("down",)}
-_NEGATION = re.compile(r"\b(?:not|never|no longer)\b|n't\b", re.I)
+PRED_EXTRA = {"rise": ("up",), "fall": ("down",)}
+NEGATION = re.compile(r"\b(?:not|never|no longer)\b|n't\b", re.I)
 
 
 def verb(pred: str, polarity: bool, rng: random.Random) -> str:
@@ -287,7 +287,7 @@ def verb(pred: str, polarity: bool, rng: random.Random) -> str:
 # 3. The news world: event families
 # ===========================================================================
 #
-# A family is declarative: a `make(rng)` that draws an event (role -> `_F`), the
+# A family is declarative: a `make(rng)` that draws an event (role -> `DraftFact`), the
 # cue words that identify each role's claim in any sentence, article sentence
 # specs and summary units. Templates use `{role.attr}` slots (attr: subj, obj,
 # other, value, date, verb, or an extra such as office) and optional clauses
@@ -301,7 +301,7 @@ def verb(pred: str, polarity: bool, rng: random.Random) -> str:
 
 
 @dataclass
-class _F:
+class DraftFact:
     """A fact while an event is being drawn (serialised as a fact-table dict)."""
     subj: Ent | None
     obj: Ent | None = None
@@ -330,7 +330,7 @@ class Unit:
 @dataclass(frozen=True)
 class Family:
     name: str
-    make: Callable[[random.Random], dict[str, _F]]
+    make: Callable[[random.Random], dict[str, DraftFact]]
     cues: dict[str, tuple[tuple[str, ...], ...]]  # role -> groups; each group must be matched
     lead: tuple[Sent, ...]  # one of these opens the article
     body: tuple[Sent, ...]
@@ -349,7 +349,7 @@ def C(*groups: str) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(g.split("|")) for g in groups)
 
 
-class _Vals:
+class Values:
     """Draws an event's numbers and dates; no two with the same text, so every role is identifiable."""
 
     def __init__(self, r: random.Random):
@@ -357,7 +357,8 @@ class _Vals:
         self.seen: set[str] = set()
         self.pct_style = "%" if r.random() < 0.7 else "percent"
 
-    def _new(self, make: Callable[[], Qty | When]):
+    def distinct(self, make: Callable[[], Qty | When]):
+        """`make()` drawn again until its text is new to this event."""
         for _ in range(100):
             q = make()
             if q.text not in self.seen:
@@ -367,41 +368,41 @@ class _Vals:
 
     def big_money(self, lo_b: float = 1.2, hi_b: float = 48.0) -> Qty:
         r = self.r
-        return self._new(lambda: money(r.randint(int(lo_b * 10), int(hi_b * 10)) * 10**8) if r.random() < 0.6
+        return self.distinct(lambda: money(r.randint(int(lo_b * 10), int(hi_b * 10)) * 10**8) if r.random() < 0.6
                          else money(r.randint(12, 98) * 10 * 10**6))
 
     def millions(self, lo: int, hi: int) -> Qty:
         r = self.r
-        return self._new(lambda: money(r.randint(lo * 10, hi * 10) * 10**5 if r.random() < 0.3
+        return self.distinct(lambda: money(r.randint(lo * 10, hi * 10) * 10**5 if r.random() < 0.3
                                        else r.randint(lo, hi) * 10**6))
 
     def near(self, q: Qty, lo: float, hi: float) -> Qty:
         r = self.r
-        return self._new(lambda: money(int(round(q.amount * r.uniform(lo, hi)))))
+        return self.distinct(lambda: money(int(round(q.amount * r.uniform(lo, hi)))))
 
     def dollars(self, lo: int, hi: int) -> Qty:
         r = self.r
-        return self._new(lambda: money(r.randint(lo // 100, hi // 100) * 100 - 1))
+        return self.distinct(lambda: money(r.randint(lo // 100, hi // 100) * 100 - 1))
 
     def pct(self, lo: float, hi: float) -> Qty:
         r = self.r
-        return self._new(lambda: percent(r.randint(int(lo * 10), int(hi * 10)) / 10 if r.random() < 0.3
+        return self.distinct(lambda: percent(r.randint(int(lo * 10), int(hi * 10)) / 10 if r.random() < 0.3
                                          else r.randint(int(lo), int(hi)), self.pct_style))
 
     def count(self, lo: int, hi: int, noun: str | None, unit: str | None = None, step: int = 10) -> Qty:
         r = self.r
-        return self._new(lambda: count(r.randint(lo // step, hi // step) * step, noun, unit))
+        return self.distinct(lambda: count(r.randint(lo // step, hi // step) * step, noun, unit))
 
     def small(self, lo: int, hi: int, noun: str) -> Qty:
         r = self.r
-        return self._new(lambda: count(r.randint(lo, hi), noun))
+        return self.distinct(lambda: count(r.randint(lo, hi), noun))
 
     def date(self, y: int, m: int | None = None, day: bool = True) -> When:
         r = self.r
-        return self._new(lambda: when(y, m or r.randint(1, 12), r.randint(1, 28) if day else None))
+        return self.distinct(lambda: when(y, m or r.randint(1, 12), r.randint(1, 28) if day else None))
 
     def year(self, lo: int, hi: int) -> When:
         r = self.r
-        return self._new(lambda: when(r.randint(lo, hi)))
+        return self.distinct(lambda: when(r.randint(lo, hi)))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from settings import ConfigError, config_to_dict, format_config
+from factual_tools.settings import ConfigError, config_to_dict, format_config
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def git_revision(cwd: str | os.PathLike | None = None) -> str:
     """`<sha>`, `<sha> dirty`, or `unknown` (no git, not a repo); never raises."""
-    cwd = cwd or Path(__file__).resolve().parent  # the code's revision, not the cwd's
+    cwd = cwd or Path(__file__).resolve().parent.parent  # the code's revision, not the cwd's
     def run(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()

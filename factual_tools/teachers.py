@@ -26,13 +26,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 
-import common
-import settings
-import modeling
 import data
-import oracle
 import sandbox
-import textsplit
+from factual_tools import common, modeling, settings, textsplit
 
 # USD per million tokens; list prices at the time of writing: check them against your provider.
 DEFAULT_PRICES = {
@@ -186,7 +182,7 @@ class ApiTeacher(Teacher):
     def __init__(self, cfg: TeacherConfig, client=None):
         super().__init__()
         if client is None:
-            import rollout  # torch comes with it: only teachers that call out pay for the import
+            from factual_tools import rollout  # torch comes with it: only teachers that call out pay for the import
 
             client = rollout.ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.timeout_s,
                                        cfg.retries, cfg.concurrency, cfg.backoff_s,
@@ -229,7 +225,7 @@ class ApiTeacher(Teacher):
             self.stats["paid_calls"] += 1
 
     def chat(self, messages: list[dict]) -> Reply:
-        import rollout
+        from factual_tools import rollout
 
         body = self.body(messages)
         key, rec = self._cached(body)
@@ -313,7 +309,7 @@ def unique_rounds(keys: Sequence[str]) -> list[list[int]]:
 
 
 def sampling_for(g: GenerateConfig, seed: int, extra_tokens: int = 0):
-    import rollout
+    from factual_tools import rollout
 
     return rollout.SamplingConfig(backend=g.backend, temperature=g.temperature, top_p=g.top_p,
                                   max_new_tokens=g.max_new_tokens + extra_tokens, batch_size=g.batch_size, seed=seed)
@@ -348,7 +344,7 @@ class ModelTeacher(Teacher):
         self.name = f"model:{cfg.model.name_or_path}"
 
     def chat_many(self, requests):
-        import rollout
+        from factual_tools import rollout
 
         out: list[Reply | None] = [None] * len(requests)
         keys, todo = [], []
@@ -521,6 +517,8 @@ class OracleAnnotator:
         self.teacher = None
 
     def annotate_many(self, pairs: Sequence[tuple[data.Document, str]]) -> list[Annotation]:
+        from newsworld import oracle  # the built-in world's fact checker: only its documents get here
+
         out = []
         for doc, summary in pairs:
             if not doc.facts:
@@ -630,6 +628,8 @@ def correction_steps(ep: sandbox.Episode) -> tuple[list[dict], list[int]]:
 def oracle_flags(doc: data.Document, sentences: Sequence[str]) -> list[bool]:
     """Whether the oracle finds an error in each sentence, in one oracle call when the joined text splits back
     into the same sentences (the oracle's per-call set-up dominates its cost)."""
+    from newsworld import oracle  # the built-in world's fact checker: only its documents get here
+
     sentences = [" ".join(s.split()) for s in sentences]
     joined = " ".join(sentences)
     if textsplit.split_sentences(joined) == sentences:
@@ -644,6 +644,8 @@ def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
     A delete is justified when the retracted text had an oracle error, its
     correction when it has none, a search before a delete when it found
     something, a search-only search when the sentence before it was right."""
+    from newsworld import oracle  # the built-in world's fact checker: only its documents get here
+
     checks = []  # (text the oracle checks or None, should it be wrong, verdict without text, quote, why, why not)
     steps, only = correction_steps(ep)
 

@@ -1,6 +1,6 @@
 """The news world's fact checker and faulty drafter.
 
-- Reading claims out of text: numbers, dates, entities, and regex search keys.
+- Reading claims out of text: numbers, dates, entities (regex search keys: `claims.regex_key_for`).
 - The oracle: checks ANY summary against its document's fact table and answers
   in the teacher's schema `{"error_span", "corrected_clause", "regex_key"}` plus
   type and position (`oracle_errors`), or as stated facts with their support
@@ -20,22 +20,21 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from data import MONTHS, DataError, Document, seeded_rng
 import sandbox
-
-import textsplit
-from data import MONTHS, STOP_WORDS, DataError, Document, seeded_rng
-from newsvocab import (
-    C, CONFLICT, PREDICATES, Qty, Unit, When, _F, _MONTH_DAYS, _NEGATION, _PRED_EXTRA, _SHARED_NAME_WORDS,
+from factual_tools import claims, textsplit
+from newsworld.vocab import (
+    C, CONFLICT, PREDICATES, Qty, Unit, When, DraftFact, MONTH_DAYS, NEGATION, PRED_EXTRA, SHARED_NAME_WORDS,
     count, money, parse_money, percent, score, when, world_lexicon,
 )
-from newsworld import CONTEXT, FAMILIES, Slot, _ENTITY_ATTRS, _choose_verbs, doc_facts, render
+from newsworld.world import CONTEXT, ENTITY_ATTRS, FAMILIES, Slot, choose_verbs, doc_facts, render
 
 # ===========================================================================
-# 5. Reading claims out of text: numbers, dates, entities; regex keys
+# 5. Reading claims out of text: numbers, dates, entities
 # ===========================================================================
 
 _MONTH_ALT = "|".join(MONTHS)
@@ -224,97 +223,6 @@ def entity_mentions(text: str, doc_entities: dict[str, str], doc_words: frozense
     return sorted(out, key=lambda x: x.start)
 
 
-# --- regex keys -------------------------------------------------------------------------
-
-
-
-def rx_escape(text: str) -> str:
-    """Escape regex metacharacters only (re.escape also escapes spaces, which reads badly in a trace)."""
-    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
-
-
-def _regex_hits(pattern: str, sentences: Sequence[str]) -> list[int]:
-    rx = re.compile(pattern)
-    return [i for i, s in enumerate(sentences) if rx.search(s)]
-
-
-def _key_anchors(tgt: str, entity_names: Iterable[str], keep: Callable[[str], bool],
-                 entity_ok: Callable[[str], bool]) -> list[tuple[int, str, bool]]:
-    """(position in target, text, is entity) for the target's names and words that `keep` accepts."""
-    anchors: list[tuple[int, str, bool]] = []
-    for name in entity_names:
-        if entity_ok(name):
-            anchors += [(m.start(), name, True) for m in re.finditer(rx_escape(name), tgt)]
-    for m in re.finditer(r"[A-Za-z][A-Za-z'-]{2,}|\d[\d,.]*\d{2}", tgt):  # short numbers match too much
-        w = m.group()
-        if w.lower() not in STOP_WORDS and keep(w) and not any(a <= m.start() < a + len(t) for a, t, _ in anchors):
-            anchors.append((m.start(), w, False))
-    return sorted(anchors)
-
-
-def regex_key_for(sentences: Sequence[str], target: int, written: str, avoid: str = "",
-                  entity_names: Iterable[str] = (), hide: str = "") -> str:
-    """A specific regex (no slashes) that finds article sentence `target`, built from what the writer has.
-
-    The writer of a faulty sentence knows its correct parts, not the correct
-    value, so the key is made of entity names, numbers and content words that
-    the written sentence shares with the target, minus the erroneous span
-    `avoid` (for a wrong number only its digits: "jobs" in "1,044 jobs" is
-    still right). A single anchor if it finds only the target, else two anchors
-    `A.*B` in target order. Preference: the target is the first hit, then fewest
-    hits, then keys with an entity. If no shared anchor puts the target first
-    (the sentence paraphrases the article), the target's own words are used too,
-    except those of `hide` (the correct value: a key must not give it away).
-    Metacharacters are escaped.
-    """
-    tgt = sentences[target]
-    entity_names = list(entity_names)
-    if avoid and re.search(r"\d", avoid):
-        avoid_tokens = [t for t in avoid.split() if re.search(r"\d", t)]
-    else:
-        avoid_tokens = [avoid] if avoid else []
-    seen = written
-    for t in avoid_tokens:
-        seen = seen.replace(t, " ")
-    seen_words = set(re.findall(r"[a-z0-9][a-z0-9'-]*", seen.lower()))
-    hidden = set(re.findall(r"[a-z0-9][a-z0-9,.'-]*", hide.lower()))
-
-    def shared(word: str) -> bool:
-        w = word.lower()
-        if w in seen_words:
-            return True
-        return len(w) >= 4 and any(len(s) >= 4 and (s.startswith(w) or w.startswith(s)) for s in seen_words)
-
-    best = None
-
-    def search(anchors: list[tuple[int, str, bool]], unshared: bool) -> None:
-        def consider(pattern: str, has_entity: bool) -> None:
-            nonlocal best
-            hits = _regex_hits(pattern, sentences)
-            if target in hits:
-                chars = len(re.sub(r"\\.|\.\*", "x", pattern))  # anchor characters, unescaped
-                rank = (hits[0] != target, unshared, len(hits), not has_entity, -min(chars, 24), len(pattern))
-                if best is None or rank < best[0]:
-                    best = (rank, pattern)
-
-        for _, text, is_ent in anchors:
-            consider(rx_escape(text), is_ent)
-        if best is None or best[0][:4] != (False, unshared, 1, False):
-            for x in range(len(anchors)):
-                for y in range(x + 1, len(anchors)):
-                    (pa, ta, ea), (pb, tb, eb) = anchors[x], anchors[y]
-                    if pa + len(ta) <= pb:
-                        consider(f"{rx_escape(ta)}.*{rx_escape(tb)}", ea or eb)
-
-    search(_key_anchors(tgt, entity_names, shared, lambda n: n in seen), False)
-    if best is None or best[0][0]:
-        search(_key_anchors(tgt, entity_names, lambda w: w.lower() not in hidden and w.strip(",.") not in hide,
-                            lambda n: n not in hide), True)
-    if best is not None:
-        return best[1]
-    return rx_escape(" ".join(tgt.split()[:6]))  # cannot happen: the target's own words find it
-
-
 # ===========================================================================
 # 6. The oracle annotator
 # ===========================================================================
@@ -336,7 +244,7 @@ def _forms_in(pred: str, text: str) -> list[tuple[str, str, bool]]:
             found.append((neg, past, False))
         elif _cue_rx(past).search(text):
             found.append((past, neg, True))
-    for extra in _PRED_EXTRA.get(pred, ()):
+    for extra in PRED_EXTRA.get(pred, ()):
         if _cue_rx(extra).search(text):
             found.append((extra, extra, True))
     return found
@@ -368,7 +276,7 @@ class _Sig:
     """A fact as the oracle sees it."""
     d: dict
     role: str
-    f: _F
+    f: DraftFact
     cues: tuple[tuple[str, ...], ...]
     ents: tuple[str, ...]
     qty: Qty | None
@@ -498,7 +406,7 @@ def _check_sentence(view: DocView, sentence: str) -> tuple[_Sig | None, list[_Er
         intrinsic = any(s.when is not None and when_match(m.when, s.when) for s in view.sigs)
         errors.append(_Err("date_change", m.start, m.end, intrinsic, repl, target or anchor))
 
-    neg = _NEGATION.search(sentence)
+    neg = NEGATION.search(sentence)
     if neg and anchor.f.polarity and all(s.f.polarity for s in accepted):
         forms = [x for x in _forms_in(anchor.f.pred, sentence) if not x[2]] if anchor.f.pred else []
         if forms:
@@ -522,7 +430,7 @@ def _check_sentence(view: DocView, sentence: str) -> tuple[_Sig | None, list[_Er
             if wrong:
                 form, _, affirmative = wrong[0]
                 idx = [p if affirmative else n for p, n in PREDICATES[CONFLICT[s.f.pred]]].index(form) \
-                    if form not in _PRED_EXTRA.get(CONFLICT[s.f.pred], ()) else 0
+                    if form not in PRED_EXTRA.get(CONFLICT[s.f.pred], ()) else 0
                 own = PREDICATES[s.f.pred][idx % len(PREDICATES[s.f.pred])]
                 fix = own[0] if affirmative else own[1]
                 a = _cue_rx(form).search(sentence).start()
@@ -593,7 +501,7 @@ def oracle_errors(doc: Document, summary: str) -> list[dict]:
                 key = _unsupported_key(sentence)
             else:
                 target = (e.target or anchor).d["sentence"]
-                key = regex_key_for(view.sentences, target, sentence, span, view.entities, hide=e.repl or "")
+                key = claims.regex_key_for(view.sentences, target, sentence, span, view.entities, hide=e.repl or "")
             labels.append({"error_span": span, "corrected_clause": fixed, "regex_key": key, "type": e.type,
                            "intrinsic": e.intrinsic, "sentence_index": idx})
     return labels
@@ -635,7 +543,7 @@ def _unsupported_key(sentence: str) -> str:
     """A search for the claim's most specific word: it shows the article has no support for it."""
     names = re.findall(r"[A-Z][\w'-]+(?:\s[A-Z][\w'-]+)*", sentence[1:])
     words = sorted(re.findall(r"[A-Za-z][A-Za-z'-]{3,}", sentence), key=len, reverse=True)
-    return rx_escape(names[0] if names else (words[0] if words else sentence.strip()[:20]))
+    return claims.rx_escape(names[0] if names else (words[0] if words else sentence.strip()[:20]))
 
 
 def oracle_fact_score(doc: Document, summary: str) -> float:
@@ -673,7 +581,7 @@ def _names_by_type() -> dict[str, tuple[str, ...]]:
 
 
 def _name_words(name: str) -> set[str]:
-    return {w for w in name.replace(".", " ").split() if len(w) > 2 and w not in _SHARED_NAME_WORDS}
+    return {w for w in name.replace(".", " ").split() if len(w) > 2 and w not in SHARED_NAME_WORDS}
 
 
 def _swap_entity(view: DocView, name: str, unit_ents: set[str], rng: random.Random,
@@ -731,14 +639,14 @@ def _other_when(w: When, rng: random.Random) -> When:
         elif part == "m":
             m = (m - 1 + rng.randint(1, 11)) % 12 + 1
         else:
-            d = rng.randint(1, _MONTH_DAYS[m - 1])
+            d = rng.randint(1, MONTH_DAYS[m - 1])
         new = when(y, m, d)
         if new.text != w.text:
             return new
     raise RuntimeError(f"could not change {w.text!r}")
 
 
-def _mutate(view: DocView, facts: dict[str, _F], unit: Unit, slots: list[Slot], rng: random.Random,
+def _mutate(view: DocView, facts: dict[str, DraftFact], unit: Unit, slots: list[Slot], rng: random.Random,
             types: Sequence[str], verbs: dict[str, str], dry: bool = False) -> tuple[Slot, str, str, bool] | None:
     """Pick an error for one rendered unit: (slot, wrong text, type, intrinsic), or None if none applies.
 
@@ -746,7 +654,7 @@ def _mutate(view: DocView, facts: dict[str, _F], unit: Unit, slots: list[Slot], 
     """
     unit_ents = {e for r in unit.roles for e in (view.sig(r).ents)}
     by_type = {
-        "entity_swap": [s for s in slots if s.attr in _ENTITY_ATTRS],
+        "entity_swap": [s for s in slots if s.attr in ENTITY_ATTRS],
         "number_change": [s for s in slots if s.attr == "value"],
         "date_change": [s for s in slots if s.attr == "date"],
         "negation": [s for s in slots if s.attr == "verb"],
@@ -815,7 +723,7 @@ def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = Non
     facts = {role: f for role, (_, f) in view.facts.items()}
     by_name = {u.name: u for u in view.family.units}
     units = [by_name[name] for name in doc.meta["units"]]
-    verbs = _choose_verbs(facts, rng)
+    verbs = choose_verbs(facts, rng)
     templates = [rng.choice(u.templates) for u in units]
     rendered = [render(t, facts, verbs) for t in templates]
     if n_errors is None:
@@ -843,7 +751,7 @@ def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = Non
         sentences[i] = bad
         broken.add(i)
         labels.append({"error_span": span, "corrected_clause": good,
-                       "regex_key": regex_key_for(view.sentences, target, bad, span, view.entities,
+                       "regex_key": claims.regex_key_for(view.sentences, target, bad, span, view.entities,
                                                   hide=good[slot.start:slot.end]),
                        "type": etype, "intrinsic": intrinsic, "sentence_index": i})
         targets.append(target)

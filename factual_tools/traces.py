@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import html
 import hashlib
 import json
 import math
@@ -18,11 +19,10 @@ import sys
 from collections import Counter
 from typing import Iterable, Sequence
 
-import common
-import settings
 import data
 import sandbox
-import textsplit
+from factual_tools import common, settings, textsplit
+from factual_tools.teachers import body
 
 
 class Tfidf:
@@ -234,3 +234,83 @@ def run_shards(script: str, argv: Sequence[str], n: int, gpus: int, out: str, ke
 def flags_to_keys(argv: Sequence[str]) -> list[str]:
     """`--shard i/n` and `--limit N` (or `--shard=i/n`) as the config keys they are: `shard=i/n`, `limit=N`."""
     return [v if f is None else f"{f[2:]}={v}" for f, v in _flags(argv, ("--shard", "--limit"))]
+
+
+# ---------------------------------------------------------------------------
+# The spot-check viewer: one self-contained HTML page of traces (filter_traces.py, eval.py)
+# ---------------------------------------------------------------------------
+
+
+def shape(ep: sandbox.Episode) -> str:
+    """The tool-call shape: S for a search, D for a delete, in order."""
+    return "".join("S" if c.kind == "search" else "D" for c in ep.calls) or "-"
+
+
+def trace_id(ep: sandbox.Episode) -> str:
+    """The trace's id (`meta.id`), or its document's id marked unknown."""
+    return ep.meta.get("id") or f"{ep.doc_id}#?"
+
+
+_CSS = """body{font:14px/1.5 system-ui,sans-serif;margin:2em auto;max-width:60em;color:#222}
+.trace{border:1px solid #ccc;border-radius:6px;padding:.8em 1em;margin:1.2em 0}
+.head{font-weight:600}.noise{color:#b00}.ok{color:#070}.meta{color:#666;font-size:12px}
+.call{background:#e3efff;border-radius:3px;font-family:monospace}.deltag{background:#ffe3e3;font-family:monospace}
+.results{background:#f2f2f2;color:#555;font-family:monospace;font-size:12px;border-radius:3px}
+del.gone{color:#a00}.summary{border-left:3px solid #7a7;padding-left:.6em}details{margin:.4em 0}"""
+
+
+def trace_pieces(ep: sandbox.Episode) -> list[tuple[str, str]]:
+    """(kind, text) pieces in order: text, deleted (struck), call, delete, results."""
+    pieces: list[list[str]] = []
+    for t in ep.turns:
+        b = body(t)
+        if b:
+            pieces.append(["text", b])
+        if t.call:
+            c = t.call
+            if c.kind == "delete" and c.deleted:
+                _strike(pieces, len("".join(c.deleted.split())))
+            pieces.append(["del" if c.kind == "delete" else "call", t.text[c.start:c.end]])
+            if c.end < len(t.text):
+                pieces.append(["text", t.text[c.end:]])
+        if t.injected:
+            pieces.append(["results", t.injected])
+    return [(k, v) for k, v in pieces]
+
+
+def _strike(pieces: list[list[str]], n: int) -> None:
+    """Mark the last `n` non-space characters of live text as deleted (splitting a piece if needed)."""
+    i = len(pieces) - 1
+    while n > 0 and i >= 0:
+        kind, text = pieces[i]
+        if kind == "text":
+            cut = len(text)
+            while cut > 0 and n > 0:
+                cut -= 1
+                n -= not text[cut].isspace()
+            pieces[i:i + 1] = ([["text", text[:cut]]] if cut else []) + [["deleted", text[cut:]]]
+        i -= 1
+
+
+def render_html(samples: Sequence[tuple[sandbox.Episode, list[str] | None]], title: str) -> str:
+    """A self-contained viewer; every piece of model or document text is HTML-escaped (it is untrusted)."""
+    e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
+    cls = {"text": None, "deleted": "gone", "call": "call", "del": "deltag", "results": "results"}
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_CSS}</style>"
+           f"</head><body><h1>{e(title)}</h1>"]
+    for k, (ep, noise) in enumerate(samples, 1):
+        mark = ("" if noise is None else f" <span class='noise'>noise: {e('; '.join(noise))}</span>" if noise
+                else " <span class='ok'>clean (oracle)</span>")
+        judge = (ep.meta.get("judge") or {}).get("score")
+        out.append(f"<div class='trace'><div class='head'>{k}. {e(trace_id(ep))} &middot; "
+                   f"{e(ep.meta.get('trace_kind', '?'))}{mark}</div><div class='meta'>doc {e(ep.doc_id)} &middot; "
+                   f"{ep.n_search} searches, {ep.n_delete} deletes &middot; shape {e(shape(ep))} &middot; judge "
+                   f"{e(judge)} &middot; types {e(', '.join(ep.meta.get('error_types') or []) or '-')}</div>")
+        out.append(f"<details><summary>document</summary><p>{e(ep.document)}</p></details>")
+        parts = []
+        for kind, text in trace_pieces(ep):
+            tag = "del" if kind == "deleted" else "span"
+            parts.append(e(text) if cls[kind] is None else f"<{tag} class='{cls[kind]}'>{e(text)}</{tag}>")
+        out.append(f"<p>{''.join(parts)}</p><p class='summary'>{e(ep.summary)}</p></div>")
+    out.append("</body></html>")
+    return "\n".join(out)

@@ -1,7 +1,8 @@
 """The learned factuality scorer: logistic regression over model-free features.
 
-    python factcheck.py train [--frank out/factuality/frank.jsonl] [--newsworld 300] [--out scorers/learned.json]
-    python factcheck.py cv --frank out/factuality/frank.jsonl   # the design's dev-only cross-validation
+    python -m factual_tools.factcheck train [--frank out/factuality/frank.jsonl] [--newsworld 300] \
+        [--out scorers/learned.json]
+    python -m factual_tools.factcheck cv --frank out/factuality/frank.jsonl   # the design's dev-only cross-validation
 
 A small stand-in for a distilled factuality model: three features that cost no
 model (the support score, the number of content words the document lacks, and
@@ -20,7 +21,7 @@ scorers/learned.json was trained with the command above (FRANK converted as
 bench/factuality.py explains).
 
 The design was chosen by 5-fold cross-validation on FRANK's dev split alone
-(folds by document, four fold draws; `python factcheck.py cv` reruns it and
+(folds by document, four fold draws; `python -m factual_tools.factcheck cv` reruns it and
 never reads the test split). It prints, CNN/DM then XSum, ba / tau:
 support 0.707 / 0.429, 0.701 / 0.201; this model 0.717 / 0.428, 0.710 / 0.216;
 without the same-sentence feature 0.707 / 0.429, 0.707 / 0.209 (it then ranked
@@ -33,7 +34,6 @@ stump model.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import sys
@@ -42,71 +42,15 @@ from pathlib import Path
 import numpy as np
 
 import rewards as R
-import textsplit
 
-FEATURES = ("support_min", "unsupported_words", "support_same_sentence")
 # Ridge strength per standardised feature: the support score enters freely, the
 # missing-word count and the same-sentence support as corrections (chosen by the
 # cross-validation above: 3 to 30 rank alike, 100 and more lose XSum balanced accuracy;
 # the same-sentence score unshrunk, or at 3, loses CNN/DM and XSum).
 L2 = (0.0, 30.0, 30.0)
-SAME_SENTENCE = R.SupportConfig(window=0)
 
 
-def features(document, summary: str, support: R.SupportConfig | None = None) -> list[float]:
-    """The feature vector of one (document, summary) pair, in FEATURES order: the
-    support score (the worst sentence's, on text whose sentence boundaries the
-    support scorer repairs), the number of the summary's content words the
-    document lacks, and the support score when adjacent words must share one
-    document sentence (a fused or mis-attributed claim scores lower)."""
-    f_support, rows = R.support_details(document, summary, support)
-    rows = [r for r in rows if "skipped" not in r]
-    if not rows:
-        return [0.0, 0.0, 0.0]
-    return [f_support, float(sum(len(r["unsupported"]) for r in rows)),
-            R.support_factuality(document, summary, SAME_SENTENCE)]
-
-
-class Model:
-    """Standardised features -> logistic regression -> P(no error)."""
-
-    def __init__(self, mean, std, coef, bias, meta=None):
-        self.mean, self.std = np.asarray(mean, float), np.asarray(std, float)
-        self.coef, self.bias = np.asarray(coef, float), float(bias)
-        self.meta = meta or {}
-
-    def predict(self, X) -> np.ndarray:
-        z = ((np.asarray(X, float) - self.mean) / self.std) @ self.coef + self.bias
-        return 1.0 / (1.0 + np.exp(-z))
-
-    def score(self, document, summary: str) -> float:
-        if not textsplit.split_sentences(summary):
-            return 0.0
-        return float(self.predict([features(document, summary)])[0])
-
-    def to_json(self) -> dict:
-        return {"features": list(FEATURES), "mean": self.mean.tolist(), "std": self.std.tolist(),
-                "coef": self.coef.tolist(), "bias": self.bias, "meta": self.meta}
-
-
-@functools.lru_cache(maxsize=8)
-def load(path: str) -> Model:
-    """The weights at `path`; a missing or foreign file is an error naming the train command."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{path}: no learned scorer here; train one with "
-                                f"`python factcheck.py train --out {path}` (reward.learned.path names it)")
-    try:
-        d = json.loads(p.read_text())
-        if d["features"] != list(FEATURES):
-            raise ValueError(f"its features {d['features']} are not this version's {list(FEATURES)}")
-        return Model(d["mean"], d["std"], d["coef"], d["bias"], d.get("meta"))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a learned scorer file ({e}); retrain with "
-                         f"`python factcheck.py train --out {path}`") from None
-
-
-def fit(X, y, w=None, l2=L2, iters: int = 50) -> Model:
+def fit(X, y, w=None, l2=L2, iters: int = 50) -> R.LearnedModel:
     """Weighted ridge logistic regression by Newton's method (the problem is
     tiny); `y` may be soft (a share in [0, 1]); `l2` per feature."""
     X, y = np.asarray(X, float), np.asarray(y, float)
@@ -124,7 +68,7 @@ def fit(X, y, w=None, l2=L2, iters: int = 50) -> Model:
         beta -= step
         if np.abs(step).max() < 1e-8:
             break
-    return Model(mean, std, beta[:-1], beta[-1])
+    return R.LearnedModel(mean, std, beta[:-1], beta[-1])
 
 
 def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
@@ -132,7 +76,7 @@ def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
     drafts per document, the target the oracle's share of sentences with no
     error (FRANK's human score is the same share, by annotators)."""
     import newsworld
-    import oracle
+    from newsworld import oracle
 
     rng = random.Random(seed)
     out = []
@@ -142,12 +86,12 @@ def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
     return out
 
 
-def train(frank: str | None, n_newsworld: int) -> Model:
+def train(frank: str | None, n_newsworld: int) -> R.LearnedModel:
     """Fit on the news world and, given `frank`, the dev split of those records
     (target: the human score, the share of sentences without an error)."""
     X, y, counts = [], [], {}
     for doc, summary, target in newsworld_pairs(n_newsworld):
-        X.append(features(doc, summary))
+        X.append(R.learned_features(doc, summary))
         y.append(target)
         counts["newsworld"] = counts.get("newsworld", 0) + 1
     if frank:
@@ -166,7 +110,7 @@ def train(frank: str | None, n_newsworld: int) -> Model:
 def dev_pairs(frank: str) -> list[tuple]:
     """(source, doc_id, features, human score, label) of the dev split of `frank`'s records."""
     factuality_data = _bench("factuality_data")
-    return [(r["source"], r["doc_id"], features(r["document"], r["summary"]), r["human"], r["label"])
+    return [(r["source"], r["doc_id"], R.learned_features(r["document"], r["summary"]), r["human"], r["label"])
             for r in factuality_data.load(frank) if r["split"] == "dev"]
 
 
@@ -202,7 +146,7 @@ def cross_validate(rows: list[tuple], news: list[tuple], k: int = 5, seeds=(0, 1
 
 
 def _bench(name: str):
-    bench = str(Path(__file__).parent / "bench")
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
     if bench not in sys.path:
         sys.path.append(bench)  # appended: bench/ must not shadow the modules
     return __import__(name)
@@ -220,17 +164,17 @@ def main(argv=None) -> None:
     c.add_argument("--newsworld", type=int, default=300)
     args = ap.parse_args(argv)
     if args.cmd == "cv":
-        news = [(features(d, s), t) for d, s, t in newsworld_pairs(args.newsworld)]
+        news = [(R.learned_features(d, s), t) for d, s, t in newsworld_pairs(args.newsworld)]
         for source, row in cross_validate(dev_pairs(args.frank), news).items():
             print(f"{source:8s} " + "  ".join(f"{n} ba {b:.3f} tau {t:.3f}" for n, (b, t) in row.items()))
         return
     model = train(args.frank, args.newsworld)
-    model.meta["command"] = "python factcheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    model.meta["command"] = "python -m factual_tools.factcheck " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(model.to_json(), indent=1) + "\n")
     print(f"wrote {out}: trained on {model.meta['trained_on']}")
-    for name, c in sorted(zip(FEATURES, model.coef), key=lambda x: -abs(x[1])):
+    for name, c in sorted(zip(R.LEARNED_FEATURES, model.coef), key=lambda x: -abs(x[1])):
         print(f"  {name:20s} {c:+.3f}")
 
 

@@ -13,13 +13,12 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 
+import data
 import sandbox
-
-
-import textsplit
+from factual_tools import textsplit
 
 
 # ---------------------------------------------------------------------------
@@ -709,3 +708,93 @@ def name_sentences(doc: DocInfo, name: tuple[str, ...]) -> tuple[int, ...]:
     return _memo(doc, ("name", name), compute)
 
 
+# ---------------------------------------------------------------------------
+# Search keys: a regex that finds one document sentence, built from what a writer has
+# (the synthetic traces' searches and the news world's teacher labels)
+# ---------------------------------------------------------------------------
+
+def rx_escape(text: str) -> str:
+    """Escape regex metacharacters only (re.escape also escapes spaces, which reads badly in a trace)."""
+    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
+
+
+def _key_hits(pattern: str, sentences: Sequence[str]) -> list[int]:
+    rx = re.compile(pattern)
+    return [i for i, s in enumerate(sentences) if rx.search(s)]
+
+
+def _key_anchors(tgt: str, entity_names: Iterable[str], keep: Callable[[str], bool],
+                 entity_ok: Callable[[str], bool]) -> list[tuple[int, str, bool]]:
+    """(position in target, text, is entity) for the target's names and words that `keep` accepts."""
+    anchors: list[tuple[int, str, bool]] = []
+    for name in entity_names:
+        if entity_ok(name):
+            anchors += [(m.start(), name, True) for m in re.finditer(rx_escape(name), tgt)]
+    for m in re.finditer(r"[A-Za-z][A-Za-z'-]{2,}|\d[\d,.]*\d{2}", tgt):  # short numbers match too much
+        w = m.group()
+        if w.lower() not in data.STOP_WORDS and keep(w) and not any(a <= m.start() < a + len(t) for a, t, _ in anchors):
+            anchors.append((m.start(), w, False))
+    return sorted(anchors)
+
+
+def regex_key_for(sentences: Sequence[str], target: int, written: str, avoid: str = "",
+                  entity_names: Iterable[str] = (), hide: str = "") -> str:
+    """A specific regex (no slashes) that finds article sentence `target`, built from what the writer has.
+
+    The writer of a faulty sentence knows its correct parts, not the correct
+    value, so the key is made of entity names, numbers and content words that
+    the written sentence shares with the target, minus the erroneous span
+    `avoid` (for a wrong number only its digits: "jobs" in "1,044 jobs" is
+    still right). A single anchor if it finds only the target, else two anchors
+    `A.*B` in target order. Preference: the target is the first hit, then fewest
+    hits, then keys with an entity. If no shared anchor puts the target first
+    (the sentence paraphrases the article), the target's own words are used too,
+    except those of `hide` (the correct value: a key must not give it away).
+    Metacharacters are escaped.
+    """
+    tgt = sentences[target]
+    entity_names = list(entity_names)
+    if avoid and re.search(r"\d", avoid):
+        avoid_tokens = [t for t in avoid.split() if re.search(r"\d", t)]
+    else:
+        avoid_tokens = [avoid] if avoid else []
+    seen = written
+    for t in avoid_tokens:
+        seen = seen.replace(t, " ")
+    seen_words = set(re.findall(r"[a-z0-9][a-z0-9'-]*", seen.lower()))
+    hidden = set(re.findall(r"[a-z0-9][a-z0-9,.'-]*", hide.lower()))
+
+    def shared(word: str) -> bool:
+        w = word.lower()
+        if w in seen_words:
+            return True
+        return len(w) >= 4 and any(len(s) >= 4 and (s.startswith(w) or w.startswith(s)) for s in seen_words)
+
+    best = None
+
+    def search(anchors: list[tuple[int, str, bool]], unshared: bool) -> None:
+        def consider(pattern: str, has_entity: bool) -> None:
+            nonlocal best
+            hits = _key_hits(pattern, sentences)
+            if target in hits:
+                chars = len(re.sub(r"\\.|\.\*", "x", pattern))  # anchor characters, unescaped
+                rank = (hits[0] != target, unshared, len(hits), not has_entity, -min(chars, 24), len(pattern))
+                if best is None or rank < best[0]:
+                    best = (rank, pattern)
+
+        for _, text, is_ent in anchors:
+            consider(rx_escape(text), is_ent)
+        if best is None or best[0][:4] != (False, unshared, 1, False):
+            for x in range(len(anchors)):
+                for y in range(x + 1, len(anchors)):
+                    (pa, ta, ea), (pb, tb, eb) = anchors[x], anchors[y]
+                    if pa + len(ta) <= pb:
+                        consider(f"{rx_escape(ta)}.*{rx_escape(tb)}", ea or eb)
+
+    search(_key_anchors(tgt, entity_names, shared, lambda n: n in seen), False)
+    if best is None or best[0][0]:
+        search(_key_anchors(tgt, entity_names, lambda w: w.lower() not in hidden and w.strip(",.") not in hide,
+                            lambda n: n not in hide), True)
+    if best is not None:
+        return best[1]
+    return rx_escape(" ".join(tgt.split()[:6]))  # cannot happen: the target's own words find it

@@ -18,8 +18,8 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 
-import textsplit
-from claims import LRU, text_key
+from factual_tools import textsplit
+from factual_tools.claims import LRU, text_key
 
 
 @dataclass

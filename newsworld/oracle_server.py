@@ -1,6 +1,7 @@
 """An OpenAI-compatible server on 127.0.0.1 that answers from the news world's oracle.
 
-    python oracle_server.py --docs out/newsworld/docs.jsonl [--port 8100]   # then api_base=http://127.0.0.1:8100/v1
+    python -m newsworld.oracle_server --docs out/newsworld/docs.jsonl [--port 8100]
+    # then api_base=http://127.0.0.1:8100/v1
 
 It stands in for a paid teacher wherever the project talks to one, so the API
 code paths run end to end on a CPU with no key and no network (the GPU chain's
@@ -24,8 +25,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import data
-import oracle
-import textsplit
+from factual_tools import textsplit
+from newsworld import oracle
 
 JUDGE_MARK = "You grade how well a summariser used its tools"
 ANNOTATE_MARK = "meticulous fact-checker"
@@ -131,7 +132,7 @@ def serve(documents, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Threa
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--docs", required=True, help="news world Document JSONL (python data.py newsworld ...)")
+    ap.add_argument("--docs", required=True, help="news world Document JSONL (python -m newsworld generate ...)")
     ap.add_argument("--port", type=int, default=8100, help="8100: not serve.py's or vLLM's 8000")
     args = ap.parse_args(argv)
     url, httpd = serve(data.read_documents(args.docs), port=args.port)

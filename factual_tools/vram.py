@@ -1,6 +1,6 @@
 """The GPU memory planner: peak memory per stage (SFT, RL rollout and update) from a model's shape.
 
-    python vram.py model=Qwen3-4B quant=4bit group_size=8   # model=all: every configs/models/ shape
+    python -m factual_tools.vram model=Qwen3-4B quant=4bit group_size=8   # model=all: every configs/models/ shape
     python rl.py --config configs/drgrpo_v19.yaml --plan     # the plan of one RL config
 
 Pure arithmetic, so it runs anywhere and before any download.
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 
-from modeling import LORA_TARGETS
-from settings import ConfigError, config_errors_exit, load_config
+from factual_tools.modeling import LORA_TARGETS
+from factual_tools.settings import ConfigError, config_errors_exit, load_config
 
 
 # ---------------------------------------------------------------------------
@@ -68,7 +68,7 @@ from settings import ConfigError, config_errors_exit, load_config
 # tests/test_models.py checks the formulas against published figures.
 
 GPU_SIZES_GB = (24, 48, 80, 141)
-MODEL_CONFIGS_DIR = Path(__file__).resolve().parent / "configs" / "models"
+MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 _GIB = 2 ** 30
 _NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
 _LOGIT_BYTES = 2 + 4 + 4

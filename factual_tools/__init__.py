@@ -1,0 +1,16 @@
+"""The library the scripts at the repository root share.
+
+Lower modules first (a module imports only those above it in this list, and the
+root's shared modules `sandbox`, `data` and `rewards` where they sit between):
+- `settings.py`: typed configs from YAML and key=value overrides, with clear errors.
+- `textsplit.py`: sentence and clause splitting.
+- `common.py`: run directories, logging, checkpoints, seeds, devices, autocast.
+- `claims.py`: what a summary states (names, numbers, dates) and what supports it.
+- `modeling.py`: model presets, policy loading (HF + PEFT, bitsandbytes, Unsloth, vLLM).
+- `fenice.py`: the FENICE factuality metric (claims + NLI over document sentences).
+- `vram.py`: memory estimates before a GPU run (`python -m factual_tools.vram ...`).
+- `rollout.py`: generation with the tool sandbox in the loop, and exact token scoring.
+- `factcheck.py`: the learned factuality scorer (`python -m factual_tools.factcheck ...`).
+- `teachers.py`, `traces.py`: fact-checking teachers and tool-use traces from drafts.
+- `evaluation.py`, `training.py`: what the evaluation and training scripts share.
+"""

@@ -1,0 +1,25 @@
+"""The built-in news world: synthetic news articles whose facts are known, so every
+stage of the pipeline runs, and is checked, on a CPU with no data to download.
+
+    python -m newsworld generate --n 1000 --seed 0 --out out/newsworld/docs.jsonl
+    python -m newsworld stats out/newsworld/docs.jsonl
+
+- `world.py`: the seeded generator (ten event families, a fact table per article,
+  reference summaries); article i depends only on (seed, i).
+- `vocab.py`: its names, values and family building blocks.
+- `oracle.py`: checks any summary against the fact table (the evaluation's ground
+  truth, the `oracle` reward and teacher) and drafts summaries with labelled errors.
+- `oracle_server.py`: the oracle behind an OpenAI-style chat endpoint, a stand-in
+  teacher for the API path.
+- `tiny.py`: a BPE tokenizer trained on the world and tiny Llama presets (tiny-1m, ...).
+- `__main__.py`: the command line above.
+
+The library (factual_tools/) and the root modules import this package only inside
+the functions that serve a world feature (a tiny preset, the oracle backend, a
+generated corpus), and nothing here imports them back: a fork with its own data
+deletes this folder and the configs that name the world.
+"""
+from newsworld.vocab import WORLD_VERSION, money
+from newsworld.world import FAMILIES, documents, fresh_documents, world_document
+
+__all__ = ["FAMILIES", "WORLD_VERSION", "documents", "fresh_documents", "money", "world_document"]
