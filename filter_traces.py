@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
@@ -383,6 +383,167 @@ def pool_of(manifest: dict) -> dict[str, str]:
 # ---------------------------------------------------------------------------
 
 
+def load_inputs(cfg: Config) -> tuple[list[sandbox.Episode], dict[str, data.Document], Any]:
+    """(the traces of every file, the documents by id, the policy tokenizer); a missing file is an error."""
+    for path in [*cfg.traces, cfg.docs_path]:
+        if not os.path.exists(path):
+            raise data.DataError(f"{path} does not exist (make it with synth_traces.py first)")
+    eps = [ep for path in cfg.traces for ep in read_traces(path)]
+    docs = {d.id: d for d in data.read_documents(cfg.docs_path)}
+    print(f"filter: {len(eps)} traces from {len(cfg.traces)} file(s), {len(docs)} documents", flush=True)
+    return eps, docs, modeling.load_tokenizer(cfg.tokenizer)
+
+
+def gate_inputs(cfg: Config, funnel: Funnel, eps: list, docs: dict) -> list[sandbox.Episode]:
+    """Gates 1-2: the trace's document is known and unchanged, the teacher's answer was valid, the
+    judge's score reaches `judge_min`."""
+    def known(ep):
+        d = docs.get(ep.doc_id)
+        if d is None:
+            return "document not in docs_path"
+        return None if d.text == ep.document else "document text differs from docs_path"
+
+    eps = funnel.gate("documents", eps, known)
+    eps = funnel.gate("annotation", eps, lambda ep: "teacher answer rejected: " + _generalise(
+        ep.meta["annotation_error"]) if ep.meta.get("annotation_error") else None)
+    if cfg.judge_min is not None:
+        def judged(ep):
+            s = (ep.meta.get("judge") or {}).get("score")
+            return "no judge score" if s is None else f"judge score < {cfg.judge_min}" if s < cfg.judge_min else None
+        eps = funnel.gate("judge", eps, judged)
+    return eps
+
+
+def gate_shape(cfg: Config, funnel: Funnel, eps: list, tok) -> tuple[list[sandbox.Episode], int]:
+    """Gates 3-5: results re-fitted to the token budget (nothing dropped; returns how many blocks were
+    re-truncated), the five format rejects, the relevance of the evidence to each correction."""
+    length_fn = lambda s: len(tok.encode(s, add_special_tokens=False))  # noqa: E731
+    refit, changed = [], 0
+    for ep in tqdm(eps, desc="token budget", unit="trace", leave=False, file=sys.stderr, mininterval=1.0):
+        new, n = refit_results(ep, length_fn, cfg.result_tokens, cfg.max_deletes, cfg.limits)
+        refit.append(new)
+        changed += n
+    eps = funnel.record("token budget", len(eps), refit, Counter(), retruncated_blocks=changed)
+
+    prompt_len: dict[str, int] = {}
+
+    def fmt(ep):
+        if ep.doc_id not in prompt_len:
+            prompt_len[ep.doc_id] = len(sandbox.prompt_ids(tok, ep.document))
+        why = format_problem(ep, cfg.max_deletes, trace_tokens(ep, tok, prompt_len[ep.doc_id]), cfg.max_tokens)
+        return _generalise(why) if why else None
+
+    eps = funnel.gate("format", eps, fmt)
+
+    def relevant(ep):
+        r = relevance(ep)
+        return f"top result supports the correction < {cfg.relevance_min}" if r is not None and \
+            r < cfg.relevance_min else None
+
+    return funnel.gate("relevance", eps, relevant), changed
+
+
+def gate_gain(cfg: Config, funnel: Funnel, eps: list, docs: dict) -> list[sandbox.Episode]:
+    """Gate 6: a corrective trace is kept when its corrections raised factuality by `gain_min` and it
+    left no error the teacher found uncorrected (the gain is written to the trace's meta)."""
+    corrective = [ep for ep in eps if ep.n_deleted]
+    finals = factuality_batch([(docs[ep.doc_id], ep.summary) for ep in corrective], cfg.factuality)
+    drafts = factuality_batch([(docs[ep.doc_id], uncorrected_draft(ep)) for ep in corrective], cfg.factuality)
+    gain = {id(ep): f - d for ep, f, d in zip(corrective, finals, drafts)}
+    for ep in corrective:
+        ep.meta["factuality_gain"] = round(gain[id(ep)], 4)
+
+    def gained(ep):
+        if ep.meta.get("open_errors"):
+            return "errors found but left uncorrected"
+        g = gain.get(id(ep))
+        return f"factuality gain < {cfg.gain_min}" if g is not None and g < cfg.gain_min else None
+
+    return funnel.gate("factuality gain", eps, gained)
+
+
+def rank_and_dedup(cfg: Config, funnel: Funnel, eps: list) -> list[sandbox.Episode]:
+    """Gates 7-8: near-duplicates out (the better-ranked stays), then at most `keep_per_doc` a document."""
+    ranked = sorted(eps, key=lambda e: (rank_key(e), trace_id(e)), reverse=True)
+    kept, dups = dedup(ranked, cfg.dedup_threshold, cfg.dedup_num_perm, cfg.dedup_shingle)
+    eps = funnel.record("near-duplicates", len(eps), kept, Counter({"near-duplicate": len(dups)} if dups else {}))
+    by_doc = defaultdict(list)
+    for ep in eps:
+        by_doc[ep.doc_id].append(ep)
+    selected = [e for d in sorted(by_doc) for e in select_per_doc(by_doc[d], cfg.keep_per_doc)]
+    return funnel.record("ranking", len(eps), selected,
+                         Counter({f"beyond {cfg.keep_per_doc} per document": len(eps) - len(selected)}
+                                 if len(eps) > len(selected) else {}))
+
+
+def split_corpus(cfg: Config, funnel: Funnel, eps: list, docs: dict) -> dict[str, list[sandbox.Episode]]:
+    """Gate 9: the traces by the split's pool (never-touch withheld), train.jsonl and eval.jsonl written."""
+    manifest = load_manifest(cfg.split, list(docs.values()))
+    pools = pool_of(manifest)
+    split = {p: [ep for ep in eps if pools.get(ep.doc_id) == p] for p in data.POOLS}
+    missing = [ep for ep in eps if ep.doc_id not in pools]
+    reasons = Counter({"never-touch document (withheld)": len(split["never_touch"])})
+    if missing:
+        reasons["document not in the split manifest"] = len(missing)
+    funnel.record("split", len(eps), split["train"] + split["eval"], +reasons,
+                  train=len(split["train"]), eval=len(split["eval"]))
+    leak = {ep.doc_id for ep in split["train"]} & {i for i, p in pools.items() if p != "train"}
+    assert not leak, f"leak: training traces of held-out documents {sorted(leak)[:5]}"
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    for p in ("train", "eval"):
+        common.atomic_write_text(os.path.join(cfg.out_dir, f"{p}.jsonl"),
+                                 "".join(ep.to_json() + "\n" for ep in split[p]))
+    return split
+
+
+def spot_check(cfg: Config, corpus: list, docs: dict) -> dict | None:
+    """spot_check.html/.csv: a seeded sample of the corpus, each marked with what the oracle finds wrong on
+    news-world documents; returns the oracle's noise figures there (None elsewhere)."""
+    sc = cfg.spot_check
+    n_sample = min(len(corpus), sc.n * max(1, math.ceil(len(corpus) / sc.per_traces)))
+    sample = random.Random(sc.seed).sample(corpus, n_sample)
+    world = all(docs[ep.doc_id].facts for ep in corpus) and bool(corpus)
+    marks = [oracle_noise(docs[ep.doc_id], ep) if world else None for ep in sample]
+    noise = None
+    if world:
+        every = [oracle_noise(docs[ep.doc_id], ep) for ep in tqdm(corpus, desc="oracle", unit="trace", leave=False,
+                                                                  file=sys.stderr, mininterval=1.0)]
+        noise = {"spot_check_rate": round(sum(bool(m) for m in marks) / max(1, len(marks)), 4),
+                 "spot_check_n": len(marks), "corpus_rate": round(sum(map(bool, every)) / max(1, len(every)), 4),
+                 "corpus_n": len(every), "reasons": dict(Counter(r for m in every for r in m).most_common()),
+                 "drafter_disagreement_rate": round(sum(map(bool, map(drafter_disagrees, corpus)))
+                                                    / max(1, len(corpus)), 4)}
+    title = f"Spot check: {len(sample)} of {len(corpus)} traces (seed {sc.seed})"
+    common.atomic_write_text(os.path.join(cfg.out_dir, "spot_check.html"), render_html(list(zip(sample, marks)),
+                                                                                       title))
+    common.atomic_write_text(os.path.join(cfg.out_dir, "spot_check.csv"), render_csv(list(zip(sample, marks))))
+    return noise
+
+
+def report(cfg: Config, funnel: Funnel, split: dict, noise: dict | None, changed: int, secs: float) -> dict:
+    """funnel.json and the printed funnel table and summary line."""
+    corpus = split["train"] + split["eval"]
+    kinds = Counter(ep.meta.get("trace_kind", "?") for ep in corpus)
+    balance = check_balance(corpus)
+    out = {"input": funnel.n, "gates": funnel.rows, "train": len(split["train"]), "eval": len(split["eval"]),
+           "withheld_never_touch": len(split["never_touch"]), "kinds": dict(kinds),
+           "checks": balance, "factuality_backend": rewards.BACKEND_NAMES[cfg.factuality],
+           "relevance_min": cfg.relevance_min, "gain_min": cfg.gain_min, "noise": noise,
+           "manifest": cfg.split.manifest_path, "seconds": round(secs, 2),
+           "traces_per_s": round(funnel.n / max(secs, 1e-9), 1)}
+    common.atomic_write_text(os.path.join(cfg.out_dir, "funnel.json"), json.dumps(out, indent=1) + "\n")
+    print(funnel.table())
+    line = (f"filter: {funnel.n} traces -> train {len(split['train'])}, eval {len(split['eval'])}, withheld "
+            f"{len(split['never_touch'])} | kinds {dict(kinds)} | checks {balance['searches']}: "
+            f"{balance['corrections']} corrections, {balance['search_only']} search-only "
+            f"({balance['search_only_share']:.0%}) | re-truncated results {changed}")
+    if noise:
+        line += (f" | oracle noise {noise['spot_check_rate']:.1%} of {noise['spot_check_n']} sampled, "
+                 f"{noise['corpus_rate']:.1%} of the corpus")
+    print(f"{line} | {secs:.1f}s -> {cfg.out_dir}", flush=True)
+    return out
+
+
 def main(cfg: Config) -> dict:
     """Filter `cfg.traces` into the corpus; returns the funnel.
 
@@ -422,142 +583,20 @@ def main(cfg: Config) -> dict:
        never-touch documents are withheld entirely.
     """
     t0 = time.perf_counter()
-    for path in [*cfg.traces, cfg.docs_path]:
-        if not os.path.exists(path):
-            raise data.DataError(f"{path} does not exist (make it with synth_traces.py first)")
+    eps, docs, tok = load_inputs(cfg)
     run = common.start_run(cfg)
-    eps = [ep for path in cfg.traces for ep in read_traces(path)]
-    docs = {d.id: d for d in data.read_documents(cfg.docs_path)}
-    tok = modeling.load_tokenizer(cfg.tokenizer)
-    length_fn = lambda s: len(tok.encode(s, add_special_tokens=False))  # noqa: E731
     funnel = Funnel(len(eps))
-    print(f"filter: {len(eps)} traces from {len(cfg.traces)} file(s), {len(docs)} documents", flush=True)
-
-    def known(ep):
-        d = docs.get(ep.doc_id)
-        if d is None:
-            return "document not in docs_path"
-        return None if d.text == ep.document else "document text differs from docs_path"
-
-    eps = funnel.gate("documents", eps, known)
-    eps = funnel.gate("annotation", eps, lambda ep: "teacher answer rejected: " + _generalise(
-        ep.meta["annotation_error"]) if ep.meta.get("annotation_error") else None)
-    if cfg.judge_min is not None:
-        def judged(ep):
-            s = (ep.meta.get("judge") or {}).get("score")
-            return "no judge score" if s is None else f"judge score < {cfg.judge_min}" if s < cfg.judge_min else None
-        eps = funnel.gate("judge", eps, judged)
-
-    refit, changed = [], 0
-    for ep in tqdm(eps, desc="token budget", unit="trace", leave=False, file=sys.stderr, mininterval=1.0):
-        new, n = refit_results(ep, length_fn, cfg.result_tokens, cfg.max_deletes, cfg.limits)
-        refit.append(new)
-        changed += n
-    eps = funnel.record("token budget", len(eps), refit, Counter(), retruncated_blocks=changed)
-
-    prompt_len: dict[str, int] = {}
-
-    def fmt(ep):
-        if ep.doc_id not in prompt_len:
-            prompt_len[ep.doc_id] = len(sandbox.prompt_ids(tok, ep.document))
-        why = format_problem(ep, cfg.max_deletes, trace_tokens(ep, tok, prompt_len[ep.doc_id]), cfg.max_tokens)
-        return _generalise(why) if why else None
-
-    eps = funnel.gate("format", eps, fmt)
-
-    def relevant(ep):
-        r = relevance(ep)
-        return f"top result supports the correction < {cfg.relevance_min}" if r is not None and \
-            r < cfg.relevance_min else None
-
-    eps = funnel.gate("relevance", eps, relevant)
-
-    corrective = [ep for ep in eps if ep.n_deleted]
-    finals = factuality_batch([(docs[ep.doc_id], ep.summary) for ep in corrective], cfg.factuality)
-    drafts = factuality_batch([(docs[ep.doc_id], uncorrected_draft(ep)) for ep in corrective], cfg.factuality)
-    gain = {id(ep): f - d for ep, f, d in zip(corrective, finals, drafts)}
-    for ep in corrective:
-        ep.meta["factuality_gain"] = round(gain[id(ep)], 4)
-
-    def gained(ep):
-        if ep.meta.get("open_errors"):
-            return "errors found but left uncorrected"
-        g = gain.get(id(ep))
-        return f"factuality gain < {cfg.gain_min}" if g is not None and g < cfg.gain_min else None
-
-    eps = funnel.gate("factuality gain", eps, gained)
-
-    ranked = sorted(eps, key=lambda e: (rank_key(e), trace_id(e)), reverse=True)
-    kept, dups = dedup(ranked, cfg.dedup_threshold, cfg.dedup_num_perm, cfg.dedup_shingle)
-    eps = funnel.record("near-duplicates", len(eps), kept, Counter({"near-duplicate": len(dups)} if dups else {}))
-
-    by_doc = defaultdict(list)
-    for ep in eps:
-        by_doc[ep.doc_id].append(ep)
-    selected = [e for d in sorted(by_doc) for e in select_per_doc(by_doc[d], cfg.keep_per_doc)]
-    eps = funnel.record("ranking", len(eps), selected,
-                        Counter({f"beyond {cfg.keep_per_doc} per document": len(eps) - len(selected)}
-                                if len(eps) > len(selected) else {}))
-
-    manifest = load_manifest(cfg.split, list(docs.values()))
-    pools = pool_of(manifest)
-    split = {p: [ep for ep in eps if pools.get(ep.doc_id) == p] for p in data.POOLS}
-    missing = [ep for ep in eps if ep.doc_id not in pools]
-    reasons = Counter({"never-touch document (withheld)": len(split["never_touch"])})
-    if missing:
-        reasons["document not in the split manifest"] = len(missing)
-    funnel.record("split", len(eps), split["train"] + split["eval"], +reasons,
-                  train=len(split["train"]), eval=len(split["eval"]))
-    leak = {ep.doc_id for ep in split["train"]} & {i for i, p in pools.items() if p != "train"}
-    assert not leak, f"leak: training traces of held-out documents {sorted(leak)[:5]}"
-
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    for p in ("train", "eval"):
-        common.atomic_write_text(os.path.join(cfg.out_dir, f"{p}.jsonl"),
-                                 "".join(ep.to_json() + "\n" for ep in split[p]))
-
-    corpus = split["train"] + split["eval"]
-    sc = cfg.spot_check
-    n_sample = min(len(corpus), sc.n * max(1, math.ceil(len(corpus) / sc.per_traces)))
-    sample = random.Random(sc.seed).sample(corpus, n_sample)
-    world = all(docs[ep.doc_id].facts for ep in corpus) and bool(corpus)
-    marks = [oracle_noise(docs[ep.doc_id], ep) if world else None for ep in sample]
-    noise = None
-    if world:
-        every = [oracle_noise(docs[ep.doc_id], ep) for ep in tqdm(corpus, desc="oracle", unit="trace", leave=False,
-                                                                  file=sys.stderr, mininterval=1.0)]
-        noise = {"spot_check_rate": round(sum(bool(m) for m in marks) / max(1, len(marks)), 4),
-                 "spot_check_n": len(marks), "corpus_rate": round(sum(map(bool, every)) / max(1, len(every)), 4),
-                 "corpus_n": len(every), "reasons": dict(Counter(r for m in every for r in m).most_common()),
-                 "drafter_disagreement_rate": round(sum(map(bool, map(drafter_disagrees, corpus)))
-                                                    / max(1, len(corpus)), 4)}
-    title = f"Spot check: {len(sample)} of {len(corpus)} traces (seed {sc.seed})"
-    common.atomic_write_text(os.path.join(cfg.out_dir, "spot_check.html"), render_html(list(zip(sample, marks)),
-                                                                                       title))
-    common.atomic_write_text(os.path.join(cfg.out_dir, "spot_check.csv"), render_csv(list(zip(sample, marks))))
-
+    eps = gate_inputs(cfg, funnel, eps, docs)
+    eps, changed = gate_shape(cfg, funnel, eps, tok)
+    eps = gate_gain(cfg, funnel, eps, docs)
+    eps = rank_and_dedup(cfg, funnel, eps)
+    split = split_corpus(cfg, funnel, eps, docs)
+    noise = spot_check(cfg, split["train"] + split["eval"], docs)
     secs = time.perf_counter() - t0
-    kinds = Counter(ep.meta.get("trace_kind", "?") for ep in corpus)
-    balance = check_balance(corpus)
-    report = {"input": funnel.n, "gates": funnel.rows, "train": len(split["train"]), "eval": len(split["eval"]),
-              "withheld_never_touch": len(split["never_touch"]), "kinds": dict(kinds),
-              "checks": balance, "factuality_backend": rewards.BACKEND_NAMES[cfg.factuality],
-              "relevance_min": cfg.relevance_min, "gain_min": cfg.gain_min, "noise": noise,
-              "manifest": cfg.split.manifest_path, "seconds": round(secs, 2),
-              "traces_per_s": round(funnel.n / max(secs, 1e-9), 1)}
-    common.atomic_write_text(os.path.join(cfg.out_dir, "funnel.json"), json.dumps(report, indent=1) + "\n")
-    print(funnel.table())
-    line = (f"filter: {funnel.n} traces -> train {len(split['train'])}, eval {len(split['eval'])}, withheld "
-            f"{len(split['never_touch'])} | kinds {dict(kinds)} | checks {balance['searches']}: "
-            f"{balance['corrections']} corrections, {balance['search_only']} search-only "
-            f"({balance['search_only_share']:.0%}) | re-truncated results {changed}")
-    if noise:
-        line += (f" | oracle noise {noise['spot_check_rate']:.1%} of {noise['spot_check_n']} sampled, "
-                 f"{noise['corpus_rate']:.1%} of the corpus")
-    print(f"{line} | {secs:.1f}s -> {cfg.out_dir}", flush=True)
+    out = report(cfg, funnel, split, noise, changed, secs)
     run.metrics.write(0, input=funnel.n, train=len(split["train"]), eval=len(split["eval"]),
                       noise=noise["spot_check_rate"] if noise else None, seconds=secs)
-    return report
+    return out
 
 
 if __name__ == "__main__":

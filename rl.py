@@ -38,7 +38,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -347,31 +347,52 @@ def check_teacher(cfg: Config) -> None:
                          f"write them with `{TEACHER_PRODUCER}`")
 
 
-def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = None) -> dict:
-    """Train; returns {"history": per-step metrics, "eval": the last held-out evaluation, "step"}.
-    `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces `rewards.score_batch`."""
-    if reward_fn is None:
-        check_teacher(cfg)
-    if cfg.sampling.backend == "api":
-        raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
-                         "(the api backend makes teacher episodes: data.teacher)")
-    dist = common.init_distributed()  # torchrun: this rank rolls out its share of each step's prompts
-    run = common.start_run(cfg, dist)
-    dev_type = common.device()
-    common.seed_everything(cfg.seed)  # the same initial weights on every rank
-    model, tok = load_model(cfg)
-    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type, model)
-    amp = lambda: common.autocast(bf16, dev_type, model)  # noqa: E731  (rollouts and updates both, entered per call)
-    vllm = cfg.sampling.backend == "vllm"
-    if vllm and not hasattr(model, "vllm_engine"):
-        raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, model.fast_inference=true")
-    lora = bool(getattr(model, "peft_config", None))
-    ref_copy = modeling.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
-    limits = sandbox.Limits.make(**cfg.limits)
-    gen = rollout.make_generator(rank_seed(cfg.seed, dist.rank), model)  # each rank samples its own draws
-    scorer = rewards.Scorer(cfg.reward)
-    G, temperature = cfg.group_size, cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
+# ---------------------------------------------------------------------------
+# The run: set-up, then each step as rollout -> score -> update -> log
+# ---------------------------------------------------------------------------
 
+
+@dataclass
+class Trainer:
+    """Everything a step reads or changes, made once by `setup`."""
+    cfg: Config
+    dist: Any  # common.Dist
+    run: Any  # common.Run
+    model: Any
+    tok: Any
+    amp: Callable  # the autocast context, entered per call
+    params: list
+    opt: Any
+    sched: Any
+    scorer: rewards.Scorer
+    gen: Any  # this rank's sampling generator
+    train_docs: list
+    eval_docs: list
+    teacher: dict | None  # doc_id -> teacher episode, for ToolMatch
+    ref_copy: Any  # a frozen reference when beta > 0 and the model has no adapter to disable
+    samples: common.MetricsWriter | None
+    limits: sandbox.Limits
+    step: int = 0
+
+    @property
+    def vllm(self) -> bool:
+        return self.cfg.sampling.backend == "vllm"
+
+    @property
+    def lora(self) -> bool:
+        return bool(getattr(self.model, "peft_config", None))
+
+    @property
+    def best_json(self) -> Path:
+        return self.run.dir / "best.json"
+
+    @property
+    def temperature(self) -> float:
+        return self.cfg.sampling.temperature if self.cfg.sampling.temperature > 0 else 1.0
+
+
+def training_documents(cfg: Config, tok, custom_reward: bool) -> tuple[list, list, dict | None]:
+    """(training documents, held-out documents, teacher episodes by doc_id), printed with where they came from."""
     train_docs, eval_docs, how = load_documents(cfg.data)
     if cfg.data.max_prompt_tokens:
         fits = lambda d: len(sandbox.prompt_ids(tok, d.text)) <= cfg.data.max_prompt_tokens  # noqa: E731
@@ -390,9 +411,34 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         covered = sum(d.id in teacher for d in train_docs)
         how += f"; teacher episodes for {covered}/{len(train_docs)} training documents"
     print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
-    print(f"factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}" + (" (custom reward_fn)" if reward_fn else "")
+    print(f"factuality: {rewards.BACKEND_NAMES[cfg.reward.factuality]}"
+          + (" (custom reward_fn)" if custom_reward else "")
           + f"; held-out: {rewards.BACKEND_NAMES[cfg.eval.factuality or cfg.reward.factuality]}")
+    return train_docs, eval_docs, teacher
 
+
+def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
+    """The model, data, optimizer and scorer of a run, resumed from its newest checkpoint
+    (`resume=auto`); a stale best.json of an old run in the same directory is removed."""
+    if not custom_reward:
+        check_teacher(cfg)
+    if cfg.sampling.backend == "api":
+        raise SystemExit("sampling.backend=api samples text only and cannot be trained on; use hf or vllm "
+                         "(the api backend makes teacher episodes: data.teacher)")
+    dist = common.init_distributed()  # torchrun: this rank rolls out its share of each step's prompts
+    run = common.start_run(cfg, dist)
+    dev_type = common.device()
+    common.seed_everything(cfg.seed)  # the same initial weights on every rank
+    model, tok = load_model(cfg)
+    bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type, model)
+    if cfg.sampling.backend == "vllm" and not hasattr(model, "vllm_engine"):
+        raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, "
+                         "model.fast_inference=true")
+    lora = bool(getattr(model, "peft_config", None))
+    ref_copy = modeling.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
+    gen = rollout.make_generator(rank_seed(cfg.seed, dist.rank), model)  # each rank samples its own draws
+    scorer = rewards.Scorer(cfg.reward)
+    train_docs, eval_docs, teacher = training_documents(cfg, tok, custom_reward)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
@@ -402,201 +448,252 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         scorer.load_state_dict(state["scorer"])
         print(f"curriculum: tau {scorer.curriculum.tau}")
     samples = common.MetricsWriter(run.dir / "samples.jsonl") if dist.main else None
+    t = Trainer(cfg, dist, run, model, tok, lambda: common.autocast(bf16, dev_type, model), params, opt, sched,
+                scorer, gen, train_docs, eval_docs, teacher, ref_copy, samples, sandbox.Limits.make(**cfg.limits), step)
+    if cfg.eval.keep_best and not eval_docs:
+        raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
+    if cfg.eval.keep_best and step == 0 and t.best_json.exists() and dist.main:
+        t.best_json.unlink()  # a new run in an old directory: the old best is not a candidate
+    return t
 
-    def sample(documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
-        if vllm:
-            # Unsloth's GRPO trainer refreshes vLLM the same way before each generation:
-            # `model.load_lora(path, load_tensors=True)` builds a LoRARequest from the live
-            # adapter tensors (unsloth_zoo.vllm_utils.load_lora; it writes only the adapter
-            # config to `path`, once), passed on to `LLM.generate(..., lora_request=...)`.
-            lora_request = model.load_lora(str(run.dir / "vllm_lora"), load_tensors=True)
-            return rollout.rollout_vllm(model.vllm_engine, tok, documents, group, scfg, limits,
-                                        lora_request=lora_request)
-        with amp():
-            return rollout.rollout(model, tok, documents, group, scfg, limits, generator=generator)
 
-    # the greedy held-out evaluation (evaluation.greedy_eval), under this run's sampler and sandbox limits, scored by
-    # the configured reward (pass at the first tau, so evaluations compare across the curriculum)
+def sample(t: Trainer, documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
+    """`group` rollouts of each document under the current weights."""
+    if t.vllm:
+        # Unsloth's GRPO trainer refreshes vLLM the same way before each generation:
+        # `model.load_lora(path, load_tensors=True)` builds a LoRARequest from the live
+        # adapter tensors (unsloth_zoo.vllm_utils.load_lora; it writes only the adapter
+        # config to `path`, once), passed on to `LLM.generate(..., lora_request=...)`.
+        lora_request = t.model.load_lora(str(t.run.dir / "vllm_lora"), load_tensors=True)
+        return rollout.rollout_vllm(t.model.vllm_engine, t.tok, documents, group, scfg, t.limits,
+                                    lora_request=lora_request)
+    with t.amp():
+        return rollout.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator)
+
+
+def evaluate(t: Trainer) -> dict:
+    """The greedy held-out evaluation (evaluation.greedy_eval) under this run's sampler and sandbox
+    limits, scored by the configured reward (pass at the first tau, so evaluations compare across
+    the curriculum); logged, and kept as best/ when `eval.keep_best` improved."""
+    cfg = t.cfg
     ecfg = evaluation.Config(reward=dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality
                                                         or cfg.reward.factuality),
                              limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
     greedy = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
+    figures = evaluation.greedy_eval(t.model, t.tok, t.eval_docs, ecfg, generate=lambda docs: sample(
+        t, docs, 1, greedy, rollout.make_generator(cfg.seed, t.model)))[0]
+    out = {f"eval_{k}": v for k, v in figures.items()}
+    evaluation.log_eval(t.run, t.step, out)
+    if cfg.eval.keep_best:
+        keep_if_best(t, out)
+    return out
 
-    def evaluate() -> dict:
-        figures = evaluation.greedy_eval(model, tok, eval_docs, ecfg, generate=lambda docs: sample(
-            docs, 1, greedy, rollout.make_generator(cfg.seed, model)))[0]
-        out = {f"eval_{k}": v for k, v in figures.items()}
-        evaluation.log_eval(run, step, out)
-        if cfg.eval.keep_best:
-            keep_if_best(out)
-        return out
 
-    def keep_if_best(out: dict) -> None:
-        """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation
-        (the key is checked at step 0, which is never a candidate)."""
-        key = cfg.eval.keep_best
-        if key not in out:
-            raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
-        prev = json.loads(best_json.read_text()) if best_json.exists() else None
-        # NaN is no candidate; a resumed run re-evaluating a step keeps what was kept
-        if step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= step):
-            return
-        if prev is None or out[key] > prev["value"]:
-            common.save_final(model, tok, run.dir / "best")
-            common.atomic_write_text(best_json, json.dumps({"metric": key, "value": out[key], "step": step}) + "\n")
+def keep_if_best(t: Trainer, out: dict) -> None:
+    """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation
+    (the key is checked at step 0, which is never a candidate)."""
+    key = t.cfg.eval.keep_best
+    if key not in out:
+        raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
+    prev = json.loads(t.best_json.read_text()) if t.best_json.exists() else None
+    # NaN is no candidate; a resumed run re-evaluating a step keeps what was kept
+    if t.step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= t.step):
+        return
+    if prev is None or out[key] > prev["value"]:
+        common.save_final(t.model, t.tok, t.run.dir / "best")
+        common.atomic_write_text(t.best_json, json.dumps({"metric": key, "value": out[key], "step": t.step}) + "\n")
 
-    best_json = run.dir / "best.json"
-    if cfg.eval.keep_best and not eval_docs:
-        raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
-    if cfg.eval.keep_best and step == 0 and best_json.exists() and dist.main:
-        best_json.unlink()  # a new run in an old directory: the old best is not a candidate
-    history, last_eval = [], {}
-    if step == 0 and eval_docs and dist.main:  # rank 0 evaluates; the others wait at the next collective
-        last_eval = evaluate()
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        # -- rollouts ------------------------------------------------------
-        # this rank's share of the step's documents, each with its whole group of G rollouts
-        docs = dist.shard([train_docs[i] for i in step_documents(len(train_docs), cfg.prompts_per_step, cfg.seed,
-                                                                 step)])
-        scfg = dataclasses.replace(cfg.sampling, seed=rank_seed(cfg.sampling.seed, dist.rank) + 100_003 * step)
-        eps = sample(docs, G, scfg, gen) if docs else []
-        t1 = time.perf_counter()
-        # -- rewards and advantages ----------------------------------------
-        docs_rep = [d for d in docs for _ in range(G)]
-        if not eps:  # more ranks than the step's documents: this one only joins the collectives
-            results = []
-        elif reward_fn is not None:
-            results = reward_fn(docs_rep, eps)
-        else:
-            results = scorer.score_batch(list(zip(docs_rep, eps)), teacher=teacher)
-        bad = [(d.id, r.get("total")) for d, r in zip(docs_rep, results) if not math.isfinite(r.get("total", math.nan))]
-        if bad:
-            raise FloatingPointError(f"step {step + 1}: non-finite reward for documents {bad[:4]}")
-        # every rank's figures, in rank order (the step's documents in order): the curriculum
-        # and the logged means see the whole step, and the loss its global rollout count
-        step_eps = [x for part in dist.gather([episode_figures(ep, r) for ep, r in zip(eps, results)]) for x in part]
-        if all("pass" in f for f in step_eps):
-            scorer.curriculum.update([bool(f["pass"]) for f in step_eps])
-        turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)
-        t2 = time.perf_counter()
-        # -- update ----------------------------------------------------------
-        rollout.validate_masks(eps, tok)  # every rollout, before every update
-        keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
-                if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
-                for i in range(g, g + G)]
-        dev = next(model.parameters()).device
-        batches = []
-        for s in range(0, len(keep), cfg.micro_groups * G):
-            idx = keep[s:s + cfg.micro_groups * G]
-            mb = [eps[i] for i in idx]
-            adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, tok))
-            adv = apply_retracted_credit(adv, retracted_mask(mb), cfg.retracted_credit)
-            b = {"eps": mb, "adv": adv.to(dev),
-                 "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
-            if cfg.beta > 0:
-                model.eval()
-                with torch.no_grad(), amp(), modeling.reference_model(model) if lora else contextlib.nullcontext():
-                    b["ref"] = logprobs(model if lora else ref_copy, mb, cfg, temperature)
-            batches.append(b)
-        model.train()
-        kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
-        for epoch in range(cfg.mu):
-            for b in batches:
-                with amp():
-                    logp = logprobs(model, b["eps"], cfg, temperature)
-                if epoch == 0:
-                    # Old log-probs: the sampler's own when it is this model and mu == 1; else
-                    # this first pass's, detached (the same function and weights, before any update).
-                    b["old"] = logp.detach() if cfg.mu > 1 or vllm else b["sampler"]
-                    ok = ~torch.isnan(b["sampler"])
-                    gap_sum += (logp.detach()[ok] - b["sampler"][ok]).abs().sum().item()
-                    gap_n += int(ok.sum())
-                is_w = None
-                if vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
-                    is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
-                # Dr. GRPO: one constant for every token of the step (every rank's rollouts),
-                # whatever its sequence's length
-                loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], len(step_eps), cfg.sampling.max_new_tokens,
-                                                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=b["ref"],
-                                                 beta=cfg.beta, is_weight=is_w)
-                if not torch.isfinite(loss):
-                    names = list(dict.fromkeys(e.doc_id for e in b["eps"]))[:4]
-                    raise FloatingPointError(f"step {step + 1}: loss is {loss.item()} (documents {names}); "
-                                             "aborting before the update")
-                loss.backward()
-                if epoch == cfg.mu - 1:
-                    kl_sum += kl.sum().item() if kl is not None else 0.0
-                    clip_n += int(clipped.sum())
-            if epoch == 0 and dist.world > 1:  # the whole step's gap, so every rank stops or none does
-                gap_sum, gap_n = map(sum, zip(*dist.gather((gap_sum, gap_n))))
-            gap = gap_sum / gap_n if gap_n else math.nan
-            if epoch == 0 and gap_n and gap > cfg.max_logprob_gap:
-                raise RuntimeError(f"step {step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
-                                   f"token (max_logprob_gap={cfg.max_logprob_gap}): the update would not be "
-                                   "on-policy. Check dropout, the chat template, and that the model returns the "
-                                   "logits asked for. Nothing was updated.")
-            dist.reduce_grads(params)  # every rank now holds the whole step's gradient
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            if not torch.isfinite(norm):
-                raise FloatingPointError(f"step {step + 1}: gradient norm is {norm.item()}; aborting before the update")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        lr = sched.get_last_lr()[0]
-        sched.step()
-        step += 1
-        t3 = time.perf_counter()
-        # -- log, samples, eval, checkpoint ---------------------------------
-        scored, kl_sum, clip_n = map(sum, zip(*dist.gather((sum(len(b["adv"]) for b in batches), kl_sum, clip_n))))
-        n_eps, tokens = len(step_eps), sum(f["tokens"] for f in step_eps)
-        n_lp = sum(f["n_lp"] for f in step_eps)
-        fields = {
-            **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
-                ("reward", "total"), ("pass", "pass"))},
-            "tau": scorer.curriculum.tau,
-            **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
-                ("fact", "factuality"), ("rules", "rules"), ("budget", "budget"), ("cap", "cap_penalty"),
-                ("match", "tool_match"), ("right_del", "right_deletes"))},
-            "kl": kl_sum / max(1, scored) if cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
-            # entropy: estimated as the mean negative log-prob of the sampled tokens
-            "entropy": sum(f["nll"] for f in step_eps) / n_lp if n_lp else math.nan,
-            "len": tokens / n_eps, "search": sum(f["n_search"] for f in step_eps) / n_eps,
-            "delete": sum(f["n_delete"] for f in step_eps) / n_eps, "valid": sum(f["valid"] for f in step_eps) / n_eps,
-            "gap": gap, "grad_norm": norm.item(), "lr": lr,
-            "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": tokens / (t3 - t0),
-        }
-        run.log(step, cfg.steps, fields, t3 - t0)
-        history.append(fields)
-        if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and samples is not None:
-            for ep, r in list(zip(eps, results))[:cfg.eval.n_samples]:
-                samples.write(step=step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
-                                                                   if isinstance(v, (int, float, bool))},
-                              summary=ep.summary, text=ep.text, n_search=ep.n_search, n_delete=ep.n_delete)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps and eval_docs and dist.main:
-            last_eval = evaluate()
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            common.save_checkpoint(run.dir, step, model, opt, sched, state={"scorer": scorer.state_dict()},
-                                   generators={"sample": gen}, keep=cfg.keep_checkpoints, dist=dist)
 
-    final = run.dir / "final"
-    if dist.main:  # rank 0 evaluates and saves final/; the other ranks wait in close_distributed
-        if eval_docs:
-            last_eval = evaluate()
-        if cfg.eval.keep_best and best_json.exists():
-            best = json.loads(best_json.read_text())
+def rollout_step(t: Trainer) -> tuple[list, list[sandbox.Episode]]:
+    """This rank's share of the step's documents, each with its whole group of G rollouts."""
+    cfg = t.cfg
+    docs = t.dist.shard([t.train_docs[i] for i in step_documents(len(t.train_docs), cfg.prompts_per_step, cfg.seed,
+                                                                 t.step)])
+    scfg = dataclasses.replace(cfg.sampling, seed=rank_seed(cfg.sampling.seed, t.dist.rank) + 100_003 * t.step)
+    return docs, sample(t, docs, cfg.group_size, scfg, t.gen) if docs else []
+
+
+def score_step(t: Trainer, docs: list, eps: list[sandbox.Episode], reward_fn=None) -> tuple[list, list, list]:
+    """(rewards of this rank's rollouts, every rank's per-rollout figures in rank order, turn advantages).
+    The curriculum and the logged means see the whole step, and the loss its global rollout count."""
+    G = t.cfg.group_size
+    docs_rep = [d for d in docs for _ in range(G)]
+    if not eps:  # more ranks than the step's documents: this one only joins the collectives
+        results = []
+    elif reward_fn is not None:
+        results = reward_fn(docs_rep, eps)
+    else:
+        results = t.scorer.score_batch(list(zip(docs_rep, eps)), teacher=t.teacher)
+    bad = [(d.id, r.get("total")) for d, r in zip(docs_rep, results) if not math.isfinite(r.get("total", math.nan))]
+    if bad:
+        raise FloatingPointError(f"step {t.step + 1}: non-finite reward for documents {bad[:4]}")
+    step_eps = [x for part in t.dist.gather([episode_figures(ep, r) for ep, r in zip(eps, results)]) for x in part]
+    if all("pass" in f for f in step_eps):
+        t.scorer.curriculum.update([bool(f["pass"]) for f in step_eps])
+    turn_adv = turn_advantages(eps, results, G, t.cfg.advantage, t.cfg.turn_credit, t.cfg.reward.tools.w_match)
+    return results, step_eps, turn_adv
+
+
+def update_batches(t: Trainer, eps: list[sandbox.Episode], turn_adv: list) -> list[dict]:
+    """The step's micro-batches of whole groups, with token advantages, the sampler's log-probs and,
+    when beta > 0, the reference's. Groups whose every advantage is 0 are left out when beta == 0."""
+    cfg, G = t.cfg, t.cfg.group_size
+    rollout.validate_masks(eps, t.tok)  # every rollout, before every update
+    keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
+            if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
+            for i in range(g, g + G)]
+    dev = next(t.model.parameters()).device
+    batches = []
+    for s in range(0, len(keep), cfg.micro_groups * G):
+        idx = keep[s:s + cfg.micro_groups * G]
+        mb = [eps[i] for i in idx]
+        adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, t.tok))
+        adv = apply_retracted_credit(adv, retracted_mask(mb), cfg.retracted_credit)
+        b = {"eps": mb, "adv": adv.to(dev), "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
+        if cfg.beta > 0:
+            t.model.eval()
+            with torch.no_grad(), t.amp(), modeling.reference_model(t.model) if t.lora else contextlib.nullcontext():
+                b["ref"] = logprobs(t.model if t.lora else t.ref_copy, mb, cfg, t.temperature)
+        batches.append(b)
+    return batches
+
+
+def update(t: Trainer, batches: list[dict], n_rollouts: int) -> dict:
+    """mu optimizer steps over the step's batches; returns the KL and clip sums, the sampler gap and the
+    gradient norm. Aborts before updating on a non-finite loss or norm, or an off-policy gap."""
+    cfg = t.cfg
+    t.model.train()
+    kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
+    for epoch in range(cfg.mu):
+        for b in batches:
+            with t.amp():
+                logp = logprobs(t.model, b["eps"], cfg, t.temperature)
+            if epoch == 0:
+                # Old log-probs: the sampler's own when it is this model and mu == 1; else
+                # this first pass's, detached (the same function and weights, before any update).
+                b["old"] = logp.detach() if cfg.mu > 1 or t.vllm else b["sampler"]
+                ok = ~torch.isnan(b["sampler"])
+                gap_sum += (logp.detach()[ok] - b["sampler"][ok]).abs().sum().item()
+                gap_n += int(ok.sum())
+            is_w = None
+            if t.vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
+                is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
+            # Dr. GRPO: one constant for every token of the step (every rank's rollouts),
+            # whatever its sequence's length
+            loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], n_rollouts, cfg.sampling.max_new_tokens,
+                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=b["ref"],
+                                             beta=cfg.beta, is_weight=is_w)
+            if not torch.isfinite(loss):
+                names = list(dict.fromkeys(e.doc_id for e in b["eps"]))[:4]
+                raise FloatingPointError(f"step {t.step + 1}: loss is {loss.item()} (documents {names}); "
+                                         "aborting before the update")
+            loss.backward()
+            if epoch == cfg.mu - 1:
+                kl_sum += kl.sum().item() if kl is not None else 0.0
+                clip_n += int(clipped.sum())
+        if epoch == 0 and t.dist.world > 1:  # the whole step's gap, so every rank stops or none does
+            gap_sum, gap_n = map(sum, zip(*t.dist.gather((gap_sum, gap_n))))
+        gap = gap_sum / gap_n if gap_n else math.nan
+        if epoch == 0 and gap_n and gap > cfg.max_logprob_gap:
+            raise RuntimeError(f"step {t.step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
+                               f"token (max_logprob_gap={cfg.max_logprob_gap}): the update would not be "
+                               "on-policy. Check dropout, the chat template, and that the model returns the "
+                               "logits asked for. Nothing was updated.")
+        t.dist.reduce_grads(t.params)  # every rank now holds the whole step's gradient
+        norm = torch.nn.utils.clip_grad_norm_(t.params, cfg.max_grad_norm)
+        if not torch.isfinite(norm):
+            raise FloatingPointError(f"step {t.step + 1}: gradient norm is {norm.item()}; aborting before the update")
+        t.opt.step()
+        t.opt.zero_grad(set_to_none=True)
+    return {"kl_sum": kl_sum, "clip_n": clip_n, "gap": gap, "grad_norm": norm.item()}
+
+
+def step_fields(t: Trainer, step_eps: list[dict], batches: list[dict], upd: dict, times: Sequence[float]) -> dict:
+    """The step's log line: reward terms, tool use, KL, clip share, entropy, the sampler gap, timings
+    (`times`: the step's start and the ends of rollout, scoring and update)."""
+    t0, t1, t2, t3 = times
+    scored, kl_sum, clip_n = map(sum, zip(*t.dist.gather((sum(len(b["adv"]) for b in batches), upd["kl_sum"],
+                                                           upd["clip_n"]))))
+    n_eps, tokens = len(step_eps), sum(f["tokens"] for f in step_eps)
+    n_lp = sum(f["n_lp"] for f in step_eps)
+    return {
+        **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+            ("reward", "total"), ("pass", "pass"))},
+        "tau": t.scorer.curriculum.tau,
+        **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+            ("fact", "factuality"), ("rules", "rules"), ("budget", "budget"), ("cap", "cap_penalty"),
+            ("match", "tool_match"), ("right_del", "right_deletes"))},
+        "kl": kl_sum / max(1, scored) if t.cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
+        # entropy: estimated as the mean negative log-prob of the sampled tokens
+        "entropy": sum(f["nll"] for f in step_eps) / n_lp if n_lp else math.nan,
+        "len": tokens / n_eps, "search": sum(f["n_search"] for f in step_eps) / n_eps,
+        "delete": sum(f["n_delete"] for f in step_eps) / n_eps, "valid": sum(f["valid"] for f in step_eps) / n_eps,
+        "gap": upd["gap"], "grad_norm": upd["grad_norm"], "lr": t.sched.get_last_lr()[0],
+        "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": tokens / (t3 - t0),
+    }
+
+
+def write_samples(t: Trainer, eps: list[sandbox.Episode], results: list[dict]) -> None:
+    """samples.jsonl: the first `eval.n_samples` rollouts of the step with their reward terms."""
+    for ep, r in list(zip(eps, results))[:t.cfg.eval.n_samples]:
+        t.samples.write(step=t.step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
+                                                               if isinstance(v, (int, float, bool))},
+                        summary=ep.summary, text=ep.text, n_search=ep.n_search, n_delete=ep.n_delete)
+
+
+def finish(t: Trainer, history: list[dict], last_eval: dict) -> dict:
+    """Rank 0 evaluates and saves final/ (the best evaluated step's weights with `eval.keep_best`);
+    the other ranks wait in close_distributed."""
+    final = t.run.dir / "final"
+    if t.dist.main:
+        if t.eval_docs:
+            last_eval = evaluate(t)
+        if t.cfg.eval.keep_best and t.best_json.exists():
+            best = json.loads(t.best_json.read_text())
             with common.atomic_dir(final) as tmp:
-                shutil.copytree(run.dir / "best", tmp, dirs_exist_ok=True)
+                shutil.copytree(t.run.dir / "best", tmp, dirs_exist_ok=True)
             print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best "
                   "evaluated)")
         else:
-            common.save_final(model, tok, final)
+            common.save_final(t.model, t.tok, final)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
               f"{last['pass']:.3f} (training batches); model saved to {final}")
-    run.finish()
-    common.close_distributed(dist)
-    return {"history": history, "eval": last_eval, "step": step}
+    t.run.finish()
+    common.close_distributed(t.dist)
+    return {"history": history, "eval": last_eval, "step": t.step}
+
+
+def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = None) -> dict:
+    """Train; returns {"history": per-step metrics, "eval": the last held-out evaluation, "step"}.
+    `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces `rewards.score_batch`."""
+    t = setup(cfg, custom_reward=reward_fn is not None)
+    history, last_eval = [], {}
+    if t.step == 0 and t.eval_docs and t.dist.main:  # rank 0 evaluates; the others wait at the next collective
+        last_eval = evaluate(t)
+    while t.step < cfg.steps:
+        t0 = time.perf_counter()
+        docs, eps = rollout_step(t)
+        t1 = time.perf_counter()
+        results, step_eps, turn_adv = score_step(t, docs, eps, reward_fn)
+        t2 = time.perf_counter()
+        batches = update_batches(t, eps, turn_adv)
+        upd = update(t, batches, len(step_eps))
+        t3 = time.perf_counter()
+        fields = step_fields(t, step_eps, batches, upd, (t0, t1, t2, t3))  # the lr this step used
+        t.sched.step()
+        t.step += 1
+        t.run.log(t.step, cfg.steps, fields, t3 - t0)
+        history.append(fields)
+        if cfg.eval.sample_every and t.step % cfg.eval.sample_every == 0 and t.samples is not None:
+            write_samples(t, eps, results)
+        if cfg.eval.every and t.step % cfg.eval.every == 0 and t.step < cfg.steps and t.eval_docs and t.dist.main:
+            last_eval = evaluate(t)
+        if cfg.save_every and (t.step % cfg.save_every == 0 or t.step == cfg.steps):
+            common.save_checkpoint(t.run.dir, t.step, t.model, t.opt, t.sched, state={"scorer": t.scorer.state_dict()},
+                                   generators={"sample": t.gen}, keep=cfg.keep_checkpoints, dist=t.dist)
+    return finish(t, history, last_eval)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,22 @@ def _run(tmp_path, annotator=None, n=200, synth_keys=(), filter_keys=()):
     return synth, ft.main(f_cfg), f_cfg
 
 
+def test_the_gates_called_one_by_one_give_mains_funnel_and_corpus(tmp_path):
+    """main is load -> gates -> rank -> split -> spot check -> report, each a function a test can call."""
+    _, report, cfg = _run(tmp_path, None, 60, ["drafter.drafts_per_doc=2"])
+    train = (tmp_path / "corpus" / "train.jsonl").read_text()
+    eps, docs, tok = ft.load_inputs(cfg)
+    funnel = ft.Funnel(len(eps))
+    eps = ft.gate_inputs(cfg, funnel, eps, docs)
+    eps, changed = ft.gate_shape(cfg, funnel, eps, tok)
+    eps = ft.rank_and_dedup(cfg, funnel, ft.gate_gain(cfg, funnel, eps, docs))
+    split = ft.split_corpus(cfg, funnel, eps, docs)
+    assert funnel.rows == report["gates"] and changed == report["gates"][3]["retruncated_blocks"]
+    assert "".join(ep.to_json() + "\n" for ep in split["train"]) == train and split["train"]
+    noise = ft.spot_check(cfg, split["train"] + split["eval"], docs)
+    assert noise == report["noise"]
+
+
 def test_end_to_end_on_200_news_world_documents(tmp_path):
     synth, report, cfg = _run(tmp_path, None, 200, ["drafter.drafts_per_doc=2"])
     assert synth["traces"] == 400 and report["input"] == 400

@@ -443,6 +443,34 @@ def test_step_figures_reach_tensorboard_and_wandb(policy, docs, tmp_path, monkey
     assert_trackers_match_metrics(tmp_path / "t", keys=("reward", "grad_norm", "len"))
 
 
+def test_one_step_through_the_named_functions_is_the_step_main_takes(policy, docs, tmp_path):
+    """main reads as set-up, then rollout -> score -> update -> log: the same calls made by hand
+    give main's first step exactly (every logged figure but the timings), and leave the step
+    counter, the curriculum and the optimizer where main leaves them."""
+    def spread(documents, episodes):  # rewards that differ within a group, so the step moves the weights
+        return [{"total": len(e.summary) % 7 / 7, "pass": len(e.summary) % 2 == 0} for e in episodes]
+
+    ran = rl.main(config(policy, docs, tmp_path / "main", steps=1, save_every=1), reward_fn=spread)
+    t = rl.setup(config(policy, docs, tmp_path / "hand", steps=1, save_every=1), custom_reward=True)
+    assert t.step == 0 and len(t.train_docs) == 4
+    docs_, eps = rl.rollout_step(t)
+    assert len(docs_) == 2 and len(eps) == 2 * 4  # prompts_per_step documents, each with its group
+    results, step_eps, turn_adv = rl.score_step(t, docs_, eps, spread)
+    assert len(results) == len(step_eps) == len(turn_adv) == 8
+    batches = rl.update_batches(t, eps, turn_adv)
+    upd = rl.update(t, batches, len(step_eps))
+    after = trainable(tmp_path / "main" / "t")  # main's weights after its step, which moved them
+    assert ran["history"][0]["grad_norm"] > 0 and upd["grad_norm"] > 0
+    assert all(torch.equal(p.detach(), after[n]) for n, p in t.model.named_parameters() if p.requires_grad)
+    fields = rl.step_fields(t, step_eps, batches, upd, (0.0, 1.0, 2.0, 3.0))
+    timing = {"rollout_s", "reward_s", "update_s", "tok_s"}
+    want = {k: v for k, v in ran["history"][0].items() if k not in timing}
+    got = {k: v for k, v in fields.items() if k not in timing}
+    assert got.keys() == want.keys()
+    assert all(got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])) for k in want), (got, want)
+    assert fields["rollout_s"] == 1.0 and fields["update_s"] == 1.0
+
+
 def test_learns_an_easy_reward_within_a_bounded_number_of_steps(policy, docs, tmp_path):
     cfg = config(policy, docs, tmp_path, steps=30, group_size=8, save_every=0, sampling=R.SamplingConfig(
         max_new_tokens=24), autocast="none")  # fp32: the sampler's log-probs are the trainer's to 1e-3
