@@ -286,7 +286,7 @@ HF_PRESETS = {
 }
 
 
-def load_hf(name: str, config: str | None = None, split: str = "train", mapping: str | dict | None = None,
+def load_hf(name: str, config: str | None = None, split: str = "train", *, mapping: str | dict | None = None,
             limit: int | None = None, streaming: bool = True, skip_bad: bool = False,
             report: LoadReport | None = None) -> Iterator[Document]:
     """Stream documents from a Hugging Face dataset (e.g. cnn_dailymail 3.0.0: article/highlights).
@@ -516,7 +516,7 @@ class LeakGuard:
 
 
 def make_split(docs: Sequence[Document], fractions: Sequence[float] = (0.8, 0.1, 0.1), seed: int = 0,
-               threshold: float = 0.25, num_perm: int = 128, shingle: int = 3, entity_weight: int = 8) -> dict:
+               *, threshold: float = 0.25, num_perm: int = 128, shingle: int = 3, entity_weight: int = 8) -> dict:
     """Split whole leak clusters into train / eval / never-touch pools, stratified by bucket, seeded.
 
     Within each bucket, clusters are shuffled (seeded) and each goes to the pool

@@ -258,7 +258,7 @@ def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
     return sum(len(b.input_ids) - 1 for b in ep.branches()) if prompt else training.n_generated(ep)
 
 
-def distill_loss(student, teacher, episodes, n_tokens: int, kd_weight: float, temperature: float,
+def distill_loss(student, teacher, episodes, n_tokens: int, *, kd_weight: float, temperature: float,
                  vocab: int, max_batch_tokens: int = 16384, prompt: bool = False, n_kd: int = 0
                  ) -> tuple[torch.Tensor, float, float]:
     """(loss, ce, kd) of a micro-batch: loss = (1 - w) ce + w kd. ce is the sum
@@ -496,12 +496,14 @@ def main(cfg: Config) -> dict:
 
         def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
             with common.autocast(bf16, dev, teacher):
-                loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight, cfg.kd.temperature, vocab,
-                                            cfg.max_batch_tokens, cfg.kd.prompt, n_kd)
+                loss, ce, kd = distill_loss(model, teacher, b, n_tok, kd_weight=kd_weight,
+                                            temperature=cfg.kd.temperature, vocab=vocab,
+                                            max_batch_tokens=cfg.max_batch_tokens, prompt=cfg.kd.prompt, n_kd=n_kd)
             return loss, {"ce": ce, "kd": kd}
 
-        loss_sum, terms, norm, lr = training.optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm,
-                                                            step, dist)
+        loss_sum, terms, norm, lr = training.optimizer_step(batches, loss_fn, params, opt, sched,
+                                                            max_grad_norm=cfg.max_grad_norm,
+                                                            step=step, dist=dist)
         step += 1
         tok_count += n_tok
         bar.update(1)

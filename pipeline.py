@@ -522,7 +522,7 @@ def _rising(*xs) -> bool | None:
     return None if any(_missing(x) for x in xs) else all(a < b for a, b in zip(xs, xs[1:]))
 
 
-def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds: int = 1, full: bool = False,
+def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds: int = 1, *, full: bool = False,
              seconds: dict[str, float] | None = None, n_docs=None, backend: str = "?") -> tuple[str, dict]:
     """(markdown, figures) of a news-world chain's outcome: its rows (the untrained
     start, SFT, Dr. GRPO and, with --full, the baselines and ablations) on the
@@ -747,8 +747,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("pipeline: no evaluation yet; the headline table needs the eval stages")
         return {}
     seeds = max(s.seed for s in stages if s.seed is not None) + 1
-    md, fig = headline(chain, models, distills, seeds, args.full, seconds, first.get("n_docs"),
-                       first.get("factuality_backend", "?"))
+    md, fig = headline(chain, models, distills, seeds, full=args.full, seconds=seconds, n_docs=first.get("n_docs"),
+                       backend=first.get("factuality_backend", "?"))
     common.atomic_write_text(out / "headline.md", md)
     common.atomic_write_text(out / "headline.json", json.dumps(fig, indent=1, default=str))
     print("\n" + md)

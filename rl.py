@@ -273,7 +273,7 @@ def sampler_logprobs(episodes: Sequence[sandbox.Episode]) -> torch.Tensor:
                         dtype=torch.float32)
 
 
-def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,
+def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_low: float = 0.2,
                    clip_high: float = 0.2, ref_logp: torch.Tensor | None = None, beta: float = 0.0,
                    is_weight: torch.Tensor | None = None):
     """Per-token loss (T,), k3 KL (T,) or None, and the clipped mask (T,).

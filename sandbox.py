@@ -167,7 +167,7 @@ class DocIndex:
         # rank_bm25 divides by the mean sentence length: no words, no index.
         self._bm25 = BM25Okapi(self.tokens) if any(self.tokens) else None
 
-    def search(self, query: str, top_k: int = 3, result_tokens: int = 200,
+    def search(self, query: str, top_k: int = 3, *, result_tokens: int = 200,
                length_fn: Callable[[str], int] | None = None, regex_timeout_s: float = 0.05,
                max_query_chars: int = 512, max_repeat_product: int = 10_000) -> SearchResult:
         t0 = time.perf_counter()
@@ -952,7 +952,7 @@ class EpisodeBuilder:
     """
 
     def __init__(self, document: str | DocIndex, prompt_ids: Sequence[int] | None = None, tokenizer=None,
-                 limits: Limits | None = None, length_fn: Callable[[str], int] | None = None,
+                 limits: Limits | None = None, *, length_fn: Callable[[str], int] | None = None,
                  eos_ids: Iterable[int] = (), doc_id: str | None = None, prompt_text: str = ""):
         self.index = document if isinstance(document, DocIndex) else index_for(document)
         self.codec = as_codec(tokenizer)
@@ -1039,8 +1039,9 @@ class EpisodeBuilder:
                 injected = error_block(call.error)
             else:
                 lim = self.limits
-                res = self.index.search(call.arg, lim.top_k, lim.result_tokens, self.length_fn,
-                                        lim.regex_timeout_s, lim.max_query_chars, lim.max_repeat_product)
+                res = self.index.search(call.arg, lim.top_k, result_tokens=lim.result_tokens, length_fn=self.length_fn,
+                                        regex_timeout_s=lim.regex_timeout_s, max_query_chars=lim.max_query_chars,
+                                        max_repeat_product=lim.max_repeat_product)
                 call.error, call.hits = res.error, res.hits
                 injected = res.block
         elif injected is None:
@@ -1163,7 +1164,7 @@ def replay(document: str, assistant_text: str, length_fn: Callable[[str], int] |
     tools had answered live. Results blocks the text carries right after a call
     (stale or absent) are replaced by live ones. Returns a text-only Episode."""
     lim = Limits.make(**limits)
-    b = EpisodeBuilder(document, [], None, lim, length_fn)
+    b = EpisodeBuilder(document, [], None, lim, length_fn=length_fn)
     i, n = 0, len(assistant_text)
     while i < n and not b.done:
         if b.push(ord(assistant_text[i])):

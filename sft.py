@@ -244,7 +244,8 @@ def eval_loss(model, episodes, max_batch_tokens: int, batch: int = 16, mask_retr
     for s in range(0, len(episodes), batch):
         chunk = episodes[s:s + batch]
         k = sum(n_generated(e, mask_retracted) for e in chunk)
-        total += sequence_loss(model, chunk, k, max_batch_tokens, mask_retracted, method).item() * k
+        total += sequence_loss(model, chunk, k, max_batch_tokens, mask_retracted=mask_retracted,
+                               method=method).item() * k
         n += k
     model.train(was)
     return total / max(1, n)
@@ -506,8 +507,9 @@ def main(cfg: Config) -> dict:
         with amp():
             if cfg.mode == "kto":
                 return kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches)), {}
-            return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, cfg.mask_retracted, cfg.score_method,
-                                 cfg.rewrite_weight, tok, cfg.decision_weight), {}
+            return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, mask_retracted=cfg.mask_retracted,
+                                 method=cfg.score_method, rewrite_weight=cfg.rewrite_weight, tokenizer=tok,
+                                 decision_weight=cfg.decision_weight), {}
 
     model.train()
     history: dict = {}
@@ -515,10 +517,11 @@ def main(cfg: Config) -> dict:
     t_last, tok_count = time.perf_counter(), 0
     while step < total_steps:
         if cfg.eval.every and step % cfg.eval.every == 0 and held_eps and dist.main:  # rank 0 evaluates
-            history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=False)
+            history = _log_eval(run, step, model, tok, held_eps, docs, cfg=cfg, amp=amp, sample=False)
         batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
-        loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched, cfg.max_grad_norm, step, dist)
+        loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched,
+                                                 max_grad_norm=cfg.max_grad_norm, step=step, dist=dist)
         step += 1
         tok_count += n_tok
         bar.update(1)
@@ -527,7 +530,7 @@ def main(cfg: Config) -> dict:
             run.log(step, total_steps, {"loss": loss_value, "lr": lr, "grad_norm": norm, "tok_s": tok_count / dt}, dt)
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
-            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True) if dist.main else {}
+            ev = _log_eval(run, step, model, tok, held_eps, docs, cfg=cfg, amp=amp, sample=True) if dist.main else {}
             if emission0 is not None and "eval_emission" in ev:
                 if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
                     print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
@@ -543,14 +546,14 @@ def main(cfg: Config) -> dict:
                            keep=cfg.keep_checkpoints, dist=dist)
     if dist.main:  # the other ranks wait in close_distributed
         final = common.save_final(model, tok, run.dir / "final")
-        history = _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample=True)
+        history = _log_eval(run, step, model, tok, held_eps, docs, cfg=cfg, amp=amp, sample=True)
         print(f"model saved to {final}")
     run.finish()
     common.close_distributed(dist)
     return history
 
 
-def _log_eval(run, step, model, tok, held_eps, docs, cfg, amp, sample: bool) -> dict:
+def _log_eval(run, step, model, tok, held_eps, docs, *, cfg, amp, sample: bool) -> dict:
     with amp():
         out = _eval_figures(model, tok, held_eps, docs, cfg, sample)
     if out:

@@ -246,7 +246,7 @@ def evidence_correction(document: str, query: str, corrected: str, min_cosine: f
 
 
 def render(sentences: Sequence[str], groups: dict[int, list[dict]], query_fn: Callable[[str], str | None],
-           rng: random.Random, search_rate: float, ends_trace: bool = True,
+           rng: random.Random, *, search_rate: float, ends_trace: bool = True,
            avoid: set[int] = frozenset(), own: Callable[[str], str] | None = None,
            rewrite: Callable[[str, str], str] | None = None, recheck_rate: float = 0.0) -> tuple[str, list[dict]]:
     """Assistant text for consecutive summary sentences, and the corrections made.
@@ -480,7 +480,7 @@ def _query_fn(it: Item, cfg: Config) -> Callable[[str], str | None]:
 
 
 def _finish(it: Item, text: str, draft: Draft, labels: list[dict], ann: Annotation, corrections: list[dict],
-            drafter, annotator, cfg: Config, extra: dict | None = None) -> sandbox.Episode:
+            *, drafter, annotator, cfg: Config, extra: dict | None = None) -> sandbox.Episode:
     ep = sandbox.replay(it.doc.text, text, **{**cfg.limits, "max_deletes": cfg.max_deletes})
     ep.doc_id = it.doc.id
     ep.meta = {
@@ -513,8 +513,8 @@ def synth_batch(items: Sequence[Item], drafter, annotator, cfg: Config
         text, corrections = d.text, []
         if ann.error is None:
             text, corrections = render(textsplit.split_sentences(d.text), group_labels(ann.labels), _query_fn(it, cfg),
-                                       it.rng("positives"), cfg.search_rate, **_render_kw(it, cfg))
-        traces.append(_finish(it, text, d, ann.labels, ann, corrections, drafter, annotator, cfg))
+                                       it.rng("positives"), search_rate=cfg.search_rate, **_render_kw(it, cfg))
+        traces.append(_finish(it, text, d, ann.labels, ann, corrections, drafter=drafter, annotator=annotator, cfg=cfg))
     return traces, failed
 
 
@@ -553,8 +553,8 @@ def _synth_iterative(items, drafter, annotator, cfg):
             groups = {j - n_kept: labs for j, labs in group_labels(ann.labels).items() if j >= n_kept}
             sentences = textsplit.split_sentences(s.open)
             if not groups or rnd == cfg.drafter.max_rounds:
-                text, _ = render(sentences, {}, _query_fn(it, cfg), it.rng(f"positives{rnd}"), cfg.search_rate,
-                                 avoid=set(groups), **_render_kw(it, cfg))
+                text, _ = render(sentences, {}, _query_fn(it, cfg), it.rng(f"positives{rnd}"),
+                                 search_rate=cfg.search_rate, avoid=set(groups), **_render_kw(it, cfg))
                 s.prefix = " ".join(x for x in (s.prefix, text) if x)
                 s.labels += [lab for labs in groups.values() for lab in labs]
                 s.open_errors = sum(len(v) for v in groups.values())
@@ -562,7 +562,7 @@ def _synth_iterative(items, drafter, annotator, cfg):
                 continue
             j = min(groups)
             text, corr = render(sentences[:j + 1], {j: groups[j]}, _query_fn(it, cfg), it.rng(f"positives{rnd}"),
-                                cfg.search_rate, ends_trace=False, **_render_kw(it, cfg))
+                                search_rate=cfg.search_rate, ends_trace=False, **_render_kw(it, cfg))
             s.prefix = " ".join(x for x in (s.prefix, text) if x)
             s.labels += groups[j]
             s.corrections += corr
@@ -578,7 +578,8 @@ def _synth_iterative(items, drafter, annotator, cfg):
             continue
         text = s.prefix if s.ann.error is None else d.text
         extra = {"open_errors": s.open_errors, "continuation_note": s.note}
-        traces.append(_finish(it, text, d, s.labels, s.ann, s.corrections, drafter, annotator, cfg, extra))
+        traces.append(_finish(it, text, d, s.labels, s.ann, s.corrections, drafter=drafter, annotator=annotator,
+                              cfg=cfg, extra=extra))
     return traces, failed
 
 
@@ -694,7 +695,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             main(cfg)
             return 0
         # --shards N: the N shards at once on this machine, then their merge into out_path
-        res, _ = traces.run_shards(__file__, argv, n, gpus, cfg.out_path)
+        res, _ = traces.run_shards(__file__, argv, n, gpus, out=cfg.out_path)
         print(f"merge: {res['traces']} traces from {n} shards -> {cfg.out_path}")
     except (settings.ConfigError, data.DataError) as e:  # bad input: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)

@@ -150,7 +150,7 @@ def done_path(out: str | Path) -> Path:
 def run_shards(cfg: Config, argv: list[str], n: int, gpus: int) -> dict:
     """`--shards N`: the N shards at once on this machine, then their merge into `out`
     (complete once every shard is)."""
-    res, parts = traces.run_shards(__file__, argv, n, gpus, cfg.out, key=lambda rec: rec.get("doc_id"),
+    res, parts = traces.run_shards(__file__, argv, n, gpus, out=cfg.out, key=lambda rec: rec.get("doc_id"),
                                    what="teacher episode")
     print(f"teacher: {res['traces']} episodes from {n} shards -> {cfg.out}")
     if all(done_path(p).exists() for p in parts):

@@ -541,7 +541,7 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer=None, scheduler=None,
-                    state: dict | None = None, generators: dict | None = None, keep: int = 2,
+                    *, state: dict | None = None, generators: dict | None = None, keep: int = 2,
                     dist: Dist = SINGLE) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` ones.
 
@@ -647,7 +647,7 @@ def trim_jsonl(path: str | os.PathLike, step: int) -> int:
 
 
 def resume(run_dir: str | os.PathLike, how: str, model, optimizer=None, scheduler=None,
-           generators: dict | None = None, logs: tuple[str, ...] = ("metrics.jsonl",),
+           *, generators: dict | None = None, logs: tuple[str, ...] = ("metrics.jsonl",),
            dist: Dist = SINGLE) -> tuple[int, dict]:
     """Every trainer's resume path: (step, the script's saved state), (0, {}) for a fresh start.
 

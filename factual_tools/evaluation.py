@@ -310,7 +310,7 @@ def tool_processor(tokenizer, tools: str) -> TagBan | None:
 # ---------------------------------------------------------------------------
 
 
-def _rollouts(model, tok, docs, group: int, scfg, limits, ban, generator, what: str) -> list[sandbox.Episode]:
+def _rollouts(model, tok, docs, group: int, scfg, limits, *, ban, generator, what: str) -> list[sandbox.Episode]:
     """rollout.rollout over chunks of documents (one batch each), with a progress bar."""
     per = max(1, scfg.batch_size // group)
     eps: list[sandbox.Episode] = []
@@ -345,7 +345,7 @@ def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
         eps = generate(docs)
     else:
         limits, greedy, ban = setup or decoding(tokenizer, cfg)
-        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban, None, "greedy")
+        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban=ban, generator=None, what="greedy")
     news = all(getattr(d, "facts", None) for d in docs)
     out: dict[str, float] = {}
     scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
@@ -424,7 +424,8 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     n = cfg.n_samples
     sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
     gen = rollout.make_generator(cfg.seed, model)  # the same draws for every model compared
-    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban, gen, f"samples x{n}") if n else []
+    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban=ban, generator=gen,
+                      what=f"samples x{n}") if n else []
     s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
     passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))] if n else []
     for k in KS:

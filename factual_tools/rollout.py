@@ -207,14 +207,14 @@ GQA_ATTENTION = "sdpa_gqa"
 _REGISTERED: set[str] = set()
 
 
-def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+def _attention(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling=None, is_causal=None,
                ragged: "_RaggedCache | None" = None, **kwargs):
     """transformers' attention-function signature: query (B, H, Q, D), key/value
     (B, H_kv, K, D), a 4D bool or additive mask; returns ((B, Q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if ragged is not None and ragged.pkeys is not None:
-        return _ragged_attention(module, query, key, value, attention_mask, scaling, ragged, **kwargs)
+        return _ragged_attention(module, query, key, value, attention_mask, scaling=scaling, cache=ragged, **kwargs)
     if query.device.type != "cpu" or attention_mask is None or key.shape[1] == query.shape[1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -223,7 +223,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _ragged_attention(module, query, key, value, attention_mask, scaling, cache: "_RaggedCache", **kwargs):
+def _ragged_attention(module, query, key, value, attention_mask, *, scaling, cache: "_RaggedCache", **kwargs):
     """Attention of rows whose context is their document's shared prompt (`cache.pkeys`,
     one row per document) followed by their own slots (`key`, `value`: (n, H_kv, T, D)).
 
@@ -565,7 +565,7 @@ def _as_index(d) -> sandbox.DocIndex:
 
 @torch.no_grad()
 def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: SamplingConfig | None = None,
-            limits: sandbox.Limits | None = None, logits_processor: Callable | None = None,
+            limits: sandbox.Limits | None = None, *, logits_processor: Callable | None = None,
             record_contexts: bool = False, generator: torch.Generator | None = None) -> list[sandbox.Episode]:
     """`group_size` episodes per document, in document-major order.
 
@@ -592,13 +592,14 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
         episodes: list[sandbox.Episode] = []
         for s in range(0, len(documents), per_chunk):
             episodes += _rollout_chunk(model, tokenizer, documents[s:s + per_chunk], group_size, cfg, limits,
-                                       logits_processor, record_contexts, generator, len(episodes))
+                                       logits_processor=logits_processor, record=record_contexts, generator=generator,
+                                       first_index=len(episodes))
         return episodes
     finally:
         model.train(was_training)
 
 
-def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, logits_processor, record,
+def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, *, logits_processor, record,
                    generator, first_index) -> list[sandbox.Episode]:
     codec = sandbox.Codec(tokenizer)
     eos = stop_ids(tokenizer)
@@ -682,7 +683,7 @@ def _branch_list(episodes, tokenizer):
     return out
 
 
-def _selected_logprobs(model, ids, attention_mask, position_ids, wanted: list[list[int]], targets: list[list[int]],
+def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list[list[int]], targets: list[list[int]],
                        temperature: float) -> list[torch.Tensor]:
     """log p(targets[b][j] | prefix) where the logits come from position
     wanted[b][j] of row b. Only the (row, position) pairs some row wants go
@@ -789,7 +790,7 @@ def _score_branches(model, chunk, out, temperature, dev):
         targets.append(tg)
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    rows = _selected_logprobs(model, ids, mask, pos, wanted, targets, temperature)
+    rows = _selected_logprobs(model, ids, mask, pos, wanted=wanted, targets=targets, temperature=temperature)
     for i, e, ti, a, z in where:
         out[e][ti] = rows[i][a:z]
 
@@ -905,7 +906,8 @@ def score_trees(model, chunk, out, temperature, dev):
         targets.append(tg)
     allowed = torch.stack(masks)[:, None].to(dev)  # (B, 1, T, T)
     add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
-    rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted, targets, temperature)
+    rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted=wanted, targets=targets,
+                              temperature=temperature)
     for i, e, ti, a, z in where:
         out[e][ti] = rows[i][a:z]
 
@@ -962,7 +964,7 @@ def drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens
     return [b.finish() for b in builders]
 
 
-def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, limits=None, lora_request=None):
+def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, limits=None, *, lora_request=None):
     """vLLM 0.32 (`LLM.generate` on token ids). Stop strings end a round at a
     tool call (the builder re-checks: "/>" alone does not close a delete tag);
     vLLM returns every generated token id and the sampled token's log-prob
@@ -1052,7 +1054,7 @@ class ApiClient:
     concurrency limit, a cap on the response size, no redirects, token accounting.
     stdlib only."""
 
-    def __init__(self, base: str, model: str, key: str | None = None, timeout_s: float = 60.0, retries: int = 5,
+    def __init__(self, base: str, model: str, *, key: str | None = None, timeout_s: float = 60.0, retries: int = 5,
                  concurrency: int = 8, backoff_s: float = 0.5, max_response_bytes: int = 8 << 20,
                  max_wait_s: float = 60.0):
         self.base, self.model, self.key = base.rstrip("/"), model, key
@@ -1144,8 +1146,8 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
     only, truncated, with the reason in `meta["api_error"]`."""
     import os
 
-    client = client or ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.api_timeout_s,
-                                 cfg.api_retries, cfg.api_concurrency)
+    client = client or ApiClient(cfg.api_base, cfg.api_model, key=os.environ.get(cfg.api_key_env),
+                                 timeout_s=cfg.api_timeout_s, retries=cfg.api_retries, concurrency=cfg.api_concurrency)
     builders = []
     for d in documents:
         index = _as_index(d)

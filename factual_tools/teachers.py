@@ -184,9 +184,9 @@ class ApiTeacher(Teacher):
         if client is None:
             from factual_tools import rollout  # torch comes with it: only teachers that call out pay for the import
 
-            client = rollout.ApiClient(cfg.api_base, cfg.api_model, os.environ.get(cfg.api_key_env), cfg.timeout_s,
-                                       cfg.retries, cfg.concurrency, cfg.backoff_s,
-                                       max_response_bytes=int(cfg.max_response_mb * 2**20))
+            client = rollout.ApiClient(cfg.api_base, cfg.api_model, key=os.environ.get(cfg.api_key_env),
+                                       timeout_s=cfg.timeout_s, retries=cfg.retries, concurrency=cfg.concurrency,
+                                       backoff_s=cfg.backoff_s, max_response_bytes=int(cfg.max_response_mb * 2**20))
         self.cfg, self.client, self.cache = cfg, client, DiskCache(cfg.cache_dir)
         self.name = f"api:{cfg.api_model}"
         if cfg.api_model not in cfg.prices_per_mtok:

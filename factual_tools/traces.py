@@ -209,7 +209,7 @@ def pop_shards(argv: Sequence[str]) -> tuple[list[str], int, int]:
     return out, found["--shards"], found["--gpus"]
 
 
-def run_shards(script: str, argv: Sequence[str], n: int, gpus: int, out: str, key=trace_id,
+def run_shards(script: str, argv: Sequence[str], n: int, gpus: int, *, out: str, key=trace_id,
                what: str = "trace") -> tuple[dict, list[str]]:
     """Run `python script ARGV --shard i/n` for every i < n at once, wait for all of them,
     and merge their files into `out` (`merge`, by `key`); returns (the merge's figures,

@@ -69,7 +69,7 @@ def rewrite_lengths(ep: sandbox.Episode, tokenizer) -> list[int]:
     return out
 
 
-def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384, mask_retracted: bool = False,
+def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384, *, mask_retracted: bool = False,
                   method: str = "tree", rewrite_weight: float = 1.0, tokenizer=None,
                   decision_weight: float = 1.0) -> torch.Tensor:
     """Sum of -log p over every generated token of `episodes`, divided by
@@ -135,7 +135,7 @@ class EpochBatches:
         return [self.items[k] for k in self._epoch[1][j]]
 
 
-def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, max_grad_norm: float,
+def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, *, max_grad_norm: float,
                    step: int, dist: common.Dist = common.SINGLE) -> tuple[float, dict[str, float], float, float]:
     """One optimizer step over micro-batches (gradient accumulation), as sft.py and
     distill.py take it: `loss_fn(micro_batch) -> (loss, {name: float})`, each loss

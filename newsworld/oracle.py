@@ -647,7 +647,7 @@ def _other_when(w: When, rng: random.Random) -> When:
 
 
 def _mutate(view: DocView, facts: dict[str, DraftFact], unit: Unit, slots: list[Slot], rng: random.Random,
-            types: Sequence[str], verbs: dict[str, str], dry: bool = False) -> tuple[Slot, str, str, bool] | None:
+            *, types: Sequence[str], verbs: dict[str, str], dry: bool = False) -> tuple[Slot, str, str, bool] | None:
     """Pick an error for one rendered unit: (slot, wrong text, type, intrinsic), or None if none applies.
 
     `dry=True` only asks whether one of `types` applies (True / None).
@@ -729,7 +729,7 @@ def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = Non
     if n_errors is None:
         n_errors = 0 if rng.random() < clean_rate else rng.randint(1, max(1, min(max_errors, len(units))))
     feasible = {(t, i) for i, (_, slots, _) in enumerate(rendered) for t in types
-                if _mutate(view, facts, units[i], slots, rng, [t], verbs, dry=True)}
+                if _mutate(view, facts, units[i], slots, rng, types=[t], verbs=verbs, dry=True)}
     sentences = [text for text, _, _ in rendered]
     labels, targets, broken = [], [], set()
     while len(labels) < n_errors:
@@ -739,7 +739,7 @@ def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = Non
         etype = rng.choice(options)
         i = rng.choice(sorted(i for t, i in feasible if t == etype and i not in broken))
         good, slots, _ = rendered[i]
-        m = _mutate(view, facts, units[i], slots, rng, [etype], verbs)
+        m = _mutate(view, facts, units[i], slots, rng, types=[etype], verbs=verbs)
         if m is None:  # no entity of that type to swap in after all
             feasible.discard((etype, i))
             continue

@@ -128,12 +128,13 @@ def test_distill_loss_ce_is_sfts_and_kd_against_itself_is_zero():
     eps = [teacher_episode(), distill.summary_episode(teacher_episode()).tokenized(TOK)]
     n = sum(sft.n_generated(e) for e in eps)
     ce_sft = sft.sequence_loss(student, eps, n).item()
-    loss0, ce0, _ = distill.distill_loss(student, teacher, eps, n, 0.0, 2.0, len(TOK))
+    loss0, ce0, _ = distill.distill_loss(student, teacher, eps, n, kd_weight=0.0, temperature=2.0, vocab=len(TOK))
     assert loss0.item() == pytest.approx(ce_sft, abs=1e-6)  # KD off: sft.sequence_loss itself
-    loss, ce, kd = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK), max_batch_tokens=300)
+    loss, ce, kd = distill.distill_loss(student, teacher, eps, n, kd_weight=0.5, temperature=2.0, vocab=len(TOK),
+                                        max_batch_tokens=300)
     assert ce == pytest.approx(ce_sft, abs=1e-4)  # branch logits here, the tree path in sft: same numbers
     assert kd > 0 and loss.item() == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-5)
-    loss, ce, kd = distill.distill_loss(student, student, eps, n, 0.5, 2.0, len(TOK))
+    loss, ce, kd = distill.distill_loss(student, student, eps, n, kd_weight=0.5, temperature=2.0, vocab=len(TOK))
     assert kd == pytest.approx(0.0, abs=1e-6) and loss.item() == pytest.approx(0.5 * ce, rel=1e-5)
     logits, targets, gen = distill.generated_logits(student, eps)
     assert logits.shape == (n, len(TOK)) and targets.tolist() == [i for e in eps for t in e.turns for i in t.ids]
@@ -155,14 +156,16 @@ def test_kd_on_the_prompt_covers_every_position_and_leaves_the_cross_entropy_alo
     assert targets.tolist() == [i for b in branches for i in b.input_ids[1:]]
     assert torch.equal(targets[gen], gen_targets)  # the generated ids among them, in order
     assert torch.allclose(logits[gen], gen_logits, atol=1e-5)
-    _, ce, _ = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK))
-    loss, ce_p, kd = distill.distill_loss(student, teacher, eps, n, 0.5, 2.0, len(TOK), prompt=True, n_kd=n_all)
+    _, ce, _ = distill.distill_loss(student, teacher, eps, n, kd_weight=0.5, temperature=2.0, vocab=len(TOK))
+    loss, ce_p, kd = distill.distill_loss(student, teacher, eps, n, kd_weight=0.5, temperature=2.0, vocab=len(TOK),
+                                          prompt=True, n_kd=n_all)
     assert ce_p == pytest.approx(ce, rel=1e-5)  # cross-entropy stays on the generated ids
     with torch.no_grad():
         t_logits, _, _ = distill.generated_logits(teacher, eps, prompt=True)
     assert kd == pytest.approx(distill.kd_loss(logits, t_logits, 2.0).item() / n_all, rel=1e-4)
     assert loss.item() == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-5)
-    _, _, kd_self = distill.distill_loss(student, student, eps, n, 0.5, 2.0, len(TOK), prompt=True, n_kd=n_all)
+    _, _, kd_self = distill.distill_loss(student, student, eps, n, kd_weight=0.5, temperature=2.0, vocab=len(TOK),
+                                         prompt=True, n_kd=n_all)
     assert kd_self == pytest.approx(0.0, abs=1e-6)
 
 

@@ -352,7 +352,7 @@ def test_no_samples_skips_the_sampled_pass_and_reports_pass_at_k_as_na(world, mo
     root, _ = world
     calls = []
     real = evaluation._rollouts
-    monkeypatch.setattr(evaluation, "_rollouts", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    monkeypatch.setattr(evaluation, "_rollouts", lambda *a, **k: calls.append(k["what"]) or real(*a, **k))
     cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=greedy_only", "n_samples=0"])
     E.main(cfg)
     m = json.loads((root / "runs" / "greedy_only" / "eval.json").read_text())["models"][0]["metrics"]

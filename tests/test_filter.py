@@ -69,7 +69,7 @@ def _corrective(doc, types=None, key=None):
     draft, labels = oracle.draft(doc, random.Random(1), n_errors=1, types=types or oracle.ERROR_TYPES)
     lab = dict(labels[0], regex_key=key or labels[0]["regex_key"])
     text, corr = st.render(textsplit.split_sentences(draft), {lab["sentence_index"]: [lab]}, lambda s: None,
-                           random.Random(0), 0.0)
+                           random.Random(0), search_rate=0.0)
     ep = sandbox.replay(doc.text, text)
     ep.doc_id, ep.meta = doc.id, {"draft": draft, "corrections": corr, "id": doc.id + "#0"}
     return ep, lab

@@ -72,7 +72,7 @@ def test_ppo_clip_both_sides_kl_and_importance_weights():
     assert loss_hi[0].item() == pytest.approx(-1.28)
     ref = logp + math.log(2.0)  # ref / pi = 2 everywhere: k3 = 2 - ln 2 - 1
     w = torch.tensor([0.5, 1.0, 2.0, 1.0])
-    loss_kl, kl, _ = rl.ppo_token_loss(logp, old, adv, 0.2, 0.2, ref_logp=ref, beta=0.1, is_weight=w)
+    loss_kl, kl, _ = rl.ppo_token_loss(logp, old, adv, clip_low=0.2, clip_high=0.2, ref_logp=ref, beta=0.1, is_weight=w)
     assert kl.tolist() == pytest.approx([1 - math.log(2.0)] * 4)
     assert loss_kl.tolist() == pytest.approx([a * b + 0.1 * (1 - math.log(2.0)) for a, b in
                                               zip([-1.2, 0.8, -0.5, 1.5], w.tolist())])

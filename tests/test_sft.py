@@ -199,7 +199,7 @@ def test_optimizer_step_accumulates_and_a_non_finite_loss_updates_nothing():
     assert torch.allclose(w.detach(), torch.tensor([0.0, 0.0]))  # w - 0.5 * 2w
     before = w.detach().clone()
     with pytest.raises(FloatingPointError, match=r"step 4: loss is nan \(documents \['a'\]\)"):
-        sft.optimizer_step(batches, lambda b: (w.sum() * float("nan"), {}), [w], opt, sched, 1.0, step=3)
+        sft.optimizer_step(batches, lambda b: (w.sum() * float("nan"), {}), [w], opt, sched, max_grad_norm=1.0, step=3)
     assert torch.equal(w.detach(), before)
 
 

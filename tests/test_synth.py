@@ -123,8 +123,10 @@ def test_a_corrected_sentence_is_rechecked_at_the_recheck_rate_and_the_check_kee
         draft, labels = oracle.draft(doc, random.Random(1), n_errors=2)
         sentences = textsplit.split_sentences(draft)
         kw = dict(own=st.key_query, rewrite=lambda q, c: st.evidence_correction(doc.text, q, c))
-        plain, _ = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0), 0.0, **kw)
-        text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0), 0.0,
+        plain, _ = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0), search_rate=0.0,
+                             **kw)
+        text, corrections = st.render(sentences, st.group_labels(labels), lambda s: None, random.Random(0),
+                                      search_rate=0.0,
                                       recheck_rate=1.0, **kw)
         ep = sandbox.replay(doc.text, text)
         assert ep.valid and ep.summary == sandbox.replay(doc.text, plain).summary  # a recheck deletes nothing
@@ -171,7 +173,7 @@ def test_positives_rate_and_never_at_the_end():
     sentences = textsplit.split_sentences(doc.summary)
     text, _ = st.render(sentences, {}, lambda s: "Q", random.Random(0), search_rate=1.0)
     assert text.count("<search>Q</search>") == len(sentences) - 1 and text.endswith(sentences[-1])
-    counts = [st.render(sentences * 20, {}, lambda s: "Q", random.Random(k), 0.25)[0].count("<search>")
+    counts = [st.render(sentences * 20, {}, lambda s: "Q", random.Random(k), search_rate=0.25)[0].count("<search>")
               for k in range(20)]
     assert 0.15 < sum(counts) / (20 * (len(sentences) * 20 - 1)) < 0.35
 
