@@ -253,9 +253,15 @@ def eval_loss(model, episodes, max_batch_tokens: int, batch: int = 16, mask_retr
 
 def held_out_documents(episodes, docs_path: str, n: int) -> list:
     """The documents behind held-out episodes (Document records when a docs
-    file is given, so the oracle can grade), first `n` distinct ones."""
+    file is given, so the oracle can grade), first `n` distinct ones (0: none)."""
+    if n <= 0 or not episodes:
+        return []
     by_id = {}
     if docs_path:
+        if not Path(docs_path).exists():
+            raise SystemExit(f"data.docs={docs_path}: no such file; the held-out episodes' documents (their fact "
+                             f"tables) are read from it: `python -m newsworld generate --n 1000 --seed 0 --out "
+                             f"{docs_path}` writes the news world's, or set data.docs=''")
         by_id = {d.id: d for d in data.read_documents(docs_path)}
     seen, out = set(), []
     for ep in episodes:

@@ -626,6 +626,18 @@ def test_no_private_name_is_used_from_another_file():
     assert not crossings, crossings
 
 
+def test_no_function_takes_more_than_six_positional_parameters():
+    """Past six, a call site reads as a row of values: the rest are keyword-only (or a dataclass)."""
+    import ast
+
+    paths = [*ROOT.glob("*.py"), *ROOT.glob("factual_tools/*.py"), *ROOT.glob("newsworld/*.py"),
+             *ROOT.glob("launchers/*.py"), *ROOT.glob("bench/*.py")]
+    long = [f"{p.name}:{n.lineno} {n.name}" for p in paths for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and len([a for a in n.args.posonlyargs + n.args.args if a.arg not in ("self", "cls")]) > 6]
+    assert not long, long
+
+
 # --- every config file loads -----------------------------------------------------------
 
 @pytest.mark.parametrize("filename, script", [

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import data
 import sandbox as S
 import sft
 from factual_tools import common, modeling, rollout, settings, training
@@ -253,6 +254,20 @@ def test_sft_and_rl_start_from_init_the_same_way(tiny, traces, tmp_path):
     base, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)),
                                    train=False)
     assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
+
+
+def test_held_out_documents_take_the_first_n_and_name_a_missing_docs_file(tmp_path):
+    eps = [S.replay(f"Doc {i}. Acme rose.", "Acme rose.") for i in (0, 0, 1, 2)]
+    for ep, i in zip(eps, (0, 0, 1, 2)):
+        ep.doc_id = f"d{i}"
+    assert [d.id for d in sft.held_out_documents(eps, "", 2)] == ["d0", "d1"]
+    assert sft.held_out_documents(eps, "", 0) == [] and sft.held_out_documents([], "", 5) == []
+    assert sft.held_out_documents(eps, str(tmp_path / "none.jsonl"), 0) == []  # nothing asked: the file is not read
+    with pytest.raises(SystemExit, match=r"data.docs=.*none.jsonl: no such file.*python -m newsworld generate"):
+        sft.held_out_documents(eps, str(tmp_path / "none.jsonl"), 2)
+    data.write_jsonl(str(tmp_path / "docs.jsonl"), [data.Document(id="d1", text="Doc 1. Acme rose.", summary="s")])
+    got = sft.held_out_documents(eps, str(tmp_path / "docs.jsonl"), 3)
+    assert [type(d).__name__ for d in got] == ["_Doc", "Document", "_Doc"] and got[1].summary == "s"
 
 
 @pytest.mark.slow
