@@ -352,7 +352,7 @@ def profile_stages(profile: str, seeds: int | None = None) -> list[Stage]:
 # --smoke: the same chain, the same configs, on a CPU in a few minutes. Only models,
 # data and step counts are overridden: every model is a tiny preset (hf backend, no
 # quantisation), the news world stands in for CNN/DailyMail, the teacher is
-# oracle_server.py on 127.0.0.1 ({api} below), and each training stage takes ~2 steps.
+# newsworld/oracle_server.py on 127.0.0.1 ({api} below), and each training stage takes ~2 steps.
 _TINY = ["model.name_or_path=tiny-1m", "model.quant=none", "model.backend=hf", "model.max_seq_len=2048"]
 _TINY_RL = [*_TINY, "model.fast_inference=false", "sampling.backend=hf", "steps=2", "prompts_per_step=2",
             "group_size=2", "sampling.max_new_tokens=32", "sampling.max_context_tokens=2048", "eval.n_docs=2",

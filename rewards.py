@@ -19,8 +19,9 @@ as FENICE.
 Entry points (DESIGN.md section 10): `rule_scores`, `lexical_factuality`, `support_factuality`,
 `factuality_batch`, `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
 Every rule is total: any input (empty, huge, binary junk, markup) gets a score in [0, 1] and never
-raises; a summary with no words scores 0 on every rule. Texts are read by `claims.py`; torch and
-transformers load only inside FENICE, so rewards import on a CPU machine without vLLM or a GPU.
+raises; a summary with no words scores 0 on every rule. Texts are read by factual_tools/claims.py;
+torch and transformers load only inside FENICE, so rewards import on a CPU machine without vLLM or
+a GPU.
 """
 from __future__ import annotations
 

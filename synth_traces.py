@@ -8,14 +8,14 @@
 For each document, `drafter.drafts_per_doc` traces:
 1. Draft a faulty summary: the news world's drafter (labelled errors), or a model under one of
    `drafter.prompts` (adversarial instructions for error diversity; the trace keeps the standard prompt).
-2. Fact-check it with a teacher (`teachers.py`) that answers
+2. Fact-check it with a teacher (`factual_tools/teachers.py`) that answers
    `{"errors": [{"error_span", "corrected_clause", "regex_key"}]}`.
 3. Inject, after each wrong sentence, a search, `<delete scope="sentence"/>` and the corrected sentence,
    replayed through `sandbox.replay`, so every results block is the sandbox's (DESIGN.md section 2).
 4. Continue: the drafter writes on from the edited context, which is fact-checked in turn, up to
    `drafter.max_rounds` corrections.
 Plus search-only positives after `search_rate` of the correct sentences (the recipe: about 25%), so the
-model also learns restraint. Output: `Episode` JSONL (`traces.py`), provenance in `ep.meta`.
+model also learns restraint. Output: `Episode` JSONL (`factual_tools/traces.py`), provenance in `ep.meta`.
 
 Choices beyond the plain four steps:
 - A correction replaces the whole sentence (`scope="sentence"`, DESIGN.md section 2), so the teacher is

@@ -4,7 +4,7 @@ Values (money, percentages, counts, scores, dates) with their surface forms;
 the fixed cast of people, companies, places and institutions; predicate classes
 with their affirmative and negated forms and the conflicting class; and the
 declarative building blocks of an event family (`DraftFact`, `Sent`, `Unit`, `Family`,
-`S`, `U`, `C`, `Values`). `newsworld.py` defines the ten families and generates
+`S`, `U`, `C`, `Values`). `world.py` defines the ten families and generates
 articles from them; `oracle.py` reads values and names back out of text.
 """
 from __future__ import annotations
