@@ -75,6 +75,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def built_before(out: str | os.PathLike, marker: str, key: str, stamp) -> bool:
+    """Whether the folder `out` was built from `stamp` (its `marker` JSON file holds it under
+    `key`): then a builder reuses it. A folder that holds something else and no marker is an
+    error, never replaced; a missing or empty one, or another build's, is built (again)."""
+    out = Path(out)
+    if (out / marker).is_file():
+        return json.loads((out / marker).read_text(encoding="utf-8")).get(key) == stamp
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and holds no {marker}; refusing to replace it")
+    return False
+
+
 @contextmanager
 def atomic_dir(final_path: str | os.PathLike):
     """Yield a temp directory next to `final_path`; move it into place only on success.

@@ -82,12 +82,8 @@ def build_pretrained_model(preset: str, out_dir: str | os.PathLike) -> Path:
     src = pretrained_source(preset)
     stamp = {"format": PRETRAINED_FORMAT, "preset": preset, "file": src.name, "bytes": src.stat().st_size}
     out = Path(out_dir)
-    marker = out / PRETRAINED_MARKER
-    if marker.is_file():
-        if json.loads(marker.read_text(encoding="utf-8")).get("source") == stamp:
-            return out
-    elif out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and holds no {PRETRAINED_MARKER}; refusing to replace it")
+    if common.built_before(out, PRETRAINED_MARKER, "source", stamp):
+        return out
     require_package("gguf", f"converting model preset {preset!r}", "pip install -r requirements.txt (it pins gguf)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

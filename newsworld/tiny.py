@@ -160,12 +160,8 @@ def build_tiny_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, tok
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
         spec["tokenizer"] = {"vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest()}
     out = Path(out_dir)
-    marker = out / TINY_MARKER
-    if marker.is_file():
-        if json.loads(marker.read_text(encoding="utf-8")).get("spec") == spec:
-            return out
-    elif out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and holds no {TINY_MARKER}; refusing to replace it")
+    if common.built_before(out, TINY_MARKER, "spec", spec):
+        return out
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

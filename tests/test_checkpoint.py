@@ -107,3 +107,21 @@ def test_cosine_schedule_shape():
     assert lrs[0] == 0.5 and lrs[1] == 1.0
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
     assert abs(lrs[10] - 0.1) < 1e-9
+
+
+def test_a_built_folder_is_reused_only_when_its_marker_holds_the_same_stamp(tmp_path):
+    """The model presets' builders (pretrained conversion, tiny models) reuse a folder built from the
+    same stamp, rebuild another build's, and never replace a folder they did not write."""
+    import json
+
+    out = tmp_path / "m"
+    assert not common.built_before(out, "built.json", "spec", {"v": 1})  # missing: build
+    out.mkdir()
+    assert not common.built_before(out, "built.json", "spec", {"v": 1})  # empty: build
+    (out / "built.json").write_text(json.dumps({"spec": {"v": 1}}))
+    assert common.built_before(out, "built.json", "spec", {"v": 1})
+    assert not common.built_before(out, "built.json", "spec", {"v": 2})  # another build: rebuild
+    (out / "built.json").unlink()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds no built.json; refusing to replace it"):
+        common.built_before(out, "built.json", "spec", {"v": 1})
