@@ -612,8 +612,8 @@ def step_fields(t: Trainer, step_eps: list[dict], batches: list[dict], upd: dict
     """The step's log line: reward terms, tool use, KL, clip share, entropy, the sampler gap, timings
     (`times`: the step's start and the ends of rollout, scoring and update)."""
     t0, t1, t2, t3 = times
-    scored, kl_sum, clip_n = map(sum, zip(*t.dist.gather((sum(len(b["adv"]) for b in batches), upd["kl_sum"],
-                                                           upd["clip_n"]))))
+    mine = (sum(len(b["adv"]) for b in batches), upd["kl_sum"], upd["clip_n"])
+    scored, kl_sum, clip_n = map(sum, zip(*t.dist.gather(mine)))  # the whole step's, every rank's
     n_eps, tokens = len(step_eps), sum(f["tokens"] for f in step_eps)
     n_lp = sum(f["n_lp"] for f in step_eps)
     return {

@@ -27,7 +27,6 @@ from factual_tools.settings import ConfigError
 PRESET_MODELS_DIR = Path("out") / "models"  # where a preset name is built or converted on first use
 
 
-
 # ---------------------------------------------------------------------------
 # Pretrained presets: a real model shipped inside a PyPI wheel
 # ---------------------------------------------------------------------------

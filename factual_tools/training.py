@@ -21,6 +21,7 @@ import data
 import sandbox
 from factual_tools import common, rollout, textsplit
 
+
 @dataclass
 class DataConfig:
     train: str = "out/newsworld/docs.jsonl"  # training documents (Document JSONL)
@@ -215,12 +216,12 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
                              "would be training documents")
         if cfg.validation:
             held, skipped = newsworld.fresh_documents(cfg.validation, cfg.validation_seed,
-                                                 data.held_out_guard(docs, manifest, cfg.split))
+                                                      data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
         if cfg.fresh:
             train, skipped = newsworld.fresh_documents(cfg.fresh, cfg.fresh_seed,
-                                                  data.held_out_guard(docs, manifest, cfg.split))
+                                                       data.held_out_guard(docs, manifest, cfg.split))
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped)")
     elif cfg.fresh or cfg.validation:

@@ -752,7 +752,7 @@ def draft_detailed(doc: Document, rng: random.Random, n_errors: int | None = Non
         broken.add(i)
         labels.append({"error_span": span, "corrected_clause": good,
                        "regex_key": claims.regex_key_for(view.sentences, target, bad, span, view.entities,
-                                                  hide=good[slot.start:slot.end]),
+                                                         hide=good[slot.start:slot.end]),
                        "type": etype, "intrinsic": intrinsic, "sentence_index": i})
         targets.append(target)
     order = sorted(range(len(labels)), key=lambda k: labels[k]["sentence_index"])
