@@ -638,6 +638,16 @@ def test_no_function_takes_more_than_six_positional_parameters():
     assert not long, long
 
 
+def test_every_planted_bug_of_the_mutation_runner_still_finds_its_line():
+    """tests/mutants.py plants each bug by replacing one exact text in one file: a move or an edit
+    that loses the text would silently turn the mutant off, so every text must occur exactly once."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mutants
+
+    counts = {m[0]: (ROOT / m[1]).read_text().count(m[2]) if (ROOT / m[1]).exists() else -1 for m in mutants.MUTANTS}
+    assert counts and all(n == 1 for n in counts.values()), {k: n for k, n in counts.items() if n != 1}
+
+
 # --- every config file loads -----------------------------------------------------------
 
 @pytest.mark.parametrize("filename, script", [
