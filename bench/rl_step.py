@@ -41,7 +41,7 @@ from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
 import sandbox  # noqa: E402
 from factual_tools import textsplit  # noqa: E402
-from newsworld import tiny  # noqa: E402
+from newsworld.tiny import TINY_PRESETS  # noqa: E402
 
 LR = 1e-5
 
@@ -103,7 +103,7 @@ def run_ours(args, tmp: str) -> dict:
 
 def lora(args) -> bool:
     """A tiny preset trains every weight (as the tiny pipeline does); another model a LoRA."""
-    return args.model not in tiny.TINY_PRESETS
+    return args.model not in TINY_PRESETS
 
 
 def run_trl(args, tmp: str) -> dict:

@@ -41,7 +41,7 @@ from newsworld import oracle  # noqa: E402
 from factual_tools import rollout  # noqa: E402
 import sandbox  # noqa: E402
 from factual_tools import textsplit  # noqa: E402
-from newsworld import tiny  # noqa: E402
+from newsworld.tiny import TINY_PRESETS  # noqa: E402
 import sft  # noqa: E402
 
 
@@ -148,7 +148,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--row-tokens", type=int, default=1024, help="row width of the packed causal-LM step")
     args = ap.parse_args()
-    tiny = args.preset in tiny.TINY_PRESETS
+    tiny = args.preset in TINY_PRESETS
     model, tok = modeling.load_policy(modeling.ModelConfig(name_or_path=args.preset,
                                                        lora=modeling.LoraConfig(enabled=not tiny)))
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
