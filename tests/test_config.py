@@ -712,3 +712,18 @@ def test_the_public_entry_points_named_in_the_design_note_exist():
     assert len(checked) >= 6, checked  # the section names at least these; a parse that finds none is a bug
     missing = [f"{m}.{n}" for m, n in checked if not hasattr(importlib.import_module(m), n)]
     assert not missing, f"DESIGN.md names public entry points that do not exist: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["bench/sft.py", "--batch", "2", "--reps", "1"],
+    ["bench/rl_step.py", "--steps", "1", "--reps", "1"],
+    ["bench/rollout.py", "--presets", "tiny-1m", "--reps", "1", "--new-tokens", "128"],
+    ["bench/sandbox.py", "--calls", "50"],
+    ["bench/rewards.py", "--docs", "5"],
+])
+def test_every_bench_runs_at_its_smallest_size_and_ends_with_a_json_line(argv):
+    """A bench is a script nobody runs in the suite otherwise: a renamed import breaks it silently."""
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert isinstance(json.loads(out.stdout.strip().splitlines()[-1]), dict)
