@@ -687,13 +687,23 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, Callable] = {"load": _cmd_load, "split": _cmd_split}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(parser: argparse.ArgumentParser, commands: dict[str, Callable], argv: Sequence[str] | None) -> int:
+    """Parse `argv` and run the chosen subcommand's handler. Bad input (a DataError, a
+    file that cannot be read) is one line "error: ..." and exit status 1; a leak between
+    split pools is exit status 2. Shared by this CLI and `python -m newsworld`."""
+    args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        return commands[args.command](args)
     except (DataError, LeakError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, LeakError) else 1
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(build_parser(), COMMANDS, argv)
 
 
 if __name__ == "__main__":

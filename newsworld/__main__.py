@@ -73,12 +73,7 @@ COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "stats": cmd_stats}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except data.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return data.run_command(build_parser(), COMMANDS, argv)
 
 
 if __name__ == "__main__":

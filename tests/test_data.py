@@ -345,6 +345,15 @@ def test_check_split_detects_changed_and_unknown_documents():
         data.make_split(docs, fractions=(0.8, 0.3, 0.1))
 
 
+def test_cli_missing_input_is_one_error_line_naming_the_file(tmp_path):
+    missing = str(tmp_path / "missing.jsonl")
+    for args in (("split", "--docs", missing, "--out", str(tmp_path / "s.json")), ("load", "--jsonl", missing, "--out", str(tmp_path / "o.jsonl"))):
+        proc = run_cli(*args, check=False)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+        assert "missing.jsonl" in proc.stderr
+    assert not os.path.exists(tmp_path / "s.json") and not os.path.exists(tmp_path / "o.jsonl")
+
+
 def test_cli_split_freezes_the_manifest_and_checks_it(tmp_path):
     world = str(tmp_path / "world.jsonl")
     subprocess.run([sys.executable, "-m", "newsworld", "generate", "--n", "120", "--seed", "2", "--out", world],

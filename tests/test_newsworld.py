@@ -278,6 +278,17 @@ def test_cli_stats_reports_counts_lengths_and_agreement(tmp_path):
     assert agreement["references_flagged"] == 0 and agreement["regex_key_first_hit_support"] == 1.0
 
 
+def test_cli_bad_input_is_one_error_line_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "text": "One sentence."}\nnot json\n')
+    for args in (("stats", str(tmp_path / "missing.jsonl")), ("stats", str(bad), "--no-drafts")):
+        proc = subprocess.run([sys.executable, "-m", "newsworld", *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+        assert os.path.basename(args[1]) in proc.stderr
+
+
 # --- properties ----------------------------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
