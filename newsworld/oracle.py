@@ -20,7 +20,7 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -326,120 +326,154 @@ class _Err:
     target: _Sig | None  # the fact whose supporting sentence shows the truth
 
 
-def _check_sentence(view: DocView, sentence: str) -> tuple[_Sig | None, list[_Err]]:
-    """The fact a summary sentence most likely states, and what in the sentence contradicts the facts."""
-    taken: list[tuple[int, int]] = []
-    ents = entity_mentions(sentence, view.entities, view.words, taken)
-    nums = parse_quantities(sentence, taken)
-    qtys = [m for m in nums if m.kind == "qty"]
-    dates = [m for m in nums if m.kind == "date"]
-    present = {m.name for m in ents if m.name}
+@dataclass
+class _Stated:
+    """What a summary sentence states: its entity, quantity and date mentions."""
+    sentence: str
+    ents: list[Mention]
+    qtys: list[Mention]
+    dates: list[Mention]
+    present: set[str]  # the document's entities it names
 
-    def val_ok(s: _Sig) -> bool:
-        return s.qty is not None and any(qty_match(m.qty, s.qty) for m in qtys)
+    @classmethod
+    def of(cls, view: DocView, sentence: str) -> "_Stated":
+        taken: list[tuple[int, int]] = []  # entities first: a number inside a name is not a quantity
+        ents = entity_mentions(sentence, view.entities, view.words, taken)
+        nums = parse_quantities(sentence, taken)
+        return cls(sentence, ents, [m for m in nums if m.kind == "qty"], [m for m in nums if m.kind == "date"],
+                   {m.name for m in ents if m.name})
 
-    def date_ok(s: _Sig) -> bool:
-        return s.when is not None and any(when_match(m.when, s.when) for m in dates)
+    def val_ok(self, s: _Sig) -> bool:
+        return s.qty is not None and any(qty_match(m.qty, s.qty) for m in self.qtys)
 
+    def date_ok(self, s: _Sig) -> bool:
+        return s.when is not None and any(when_match(m.when, s.when) for m in self.dates)
+
+    def uses_predicate(self, s: _Sig) -> bool:
+        """Does the sentence use `s`'s predicate, or its opposite (then a wrong_predicate of the same fact)?"""
+        pred = s.f.pred
+        return bool(pred) and bool(_forms_in(pred, self.sentence) or
+                                   (pred in CONFLICT and _forms_in(CONFLICT[pred], self.sentence)))
+
+    def shows(self, s: _Sig) -> bool:
+        """Does the sentence visibly state `s` (so its entities, numbers and dates are allowed)?"""
+        if s.qty is not None or s.when is not None:
+            # Its own value or date, or its subject doing its predicate ("Tolenta lowered ...").
+            return self.val_ok(s) or self.date_ok(s) or (s.subject in self.present and self.uses_predicate(s))
+        return s.subject in self.present if s.subject else bool(s.ents) and set(s.ents) <= self.present
+
+
+def _fitting(view: DocView, st: _Stated) -> list[tuple[float, _Sig]]:
+    """The facts whose cue words all occur in the sentence, each scored by how well the sentence matches it."""
     fitting = []
     for s in view.sigs:
-        if not all(any(_cue_rx(p).search(sentence) for p in group) for group in s.cues):
+        if not all(any(_cue_rx(p).search(st.sentence) for p in group) for group in s.cues):
             continue
-        score = len(s.cues) + 3 * len(set(s.ents) & present) + 3 * val_ok(s) + 2 * date_ok(s)
-        if s.f.pred and (_forms_in(s.f.pred, sentence) or
-                         (s.f.pred in CONFLICT and _forms_in(CONFLICT[s.f.pred], sentence))):
-            score += 1
+        score = len(s.cues) + 3 * len(set(s.ents) & st.present) + 3 * st.val_ok(s) + 2 * st.date_ok(s)
+        score += st.uses_predicate(s)
         fitting.append((score + 0.5 * bool(s.d.get("key")), s))
+    return fitting
+
+
+def _check_sentence(view: DocView, sentence: str) -> tuple[_Sig | None, list[_Err]]:
+    """The fact a summary sentence most likely states, and what in the sentence contradicts the facts."""
+    st = _Stated.of(view, sentence)
+    fitting = _fitting(view, st)
     whole = _Err("unsupported", 0, len(sentence), False, "", None)
     if not fitting:
         return None, [whole]
     anchor = max(fitting, key=lambda t: t[0])[1]  # first of equals: document order
-    has_elements = anchor.qty is not None or anchor.when is not None
-    if has_elements and not (ents or qtys or dates):
+    if (anchor.qty is not None or anchor.when is not None) and not (st.ents or st.qtys or st.dates):
         return anchor, [whole]  # names the topic but states nothing checkable about it
+    # The anchor, and the facts the sentence evidently combines with it (same subject or one it names).
+    accepted = [anchor] + [s for _, s in fitting if s is not anchor and st.shows(s) and
+                           (s.subject in st.present or s.subject == anchor.subject)]
+    return anchor, (_element_errors(view, st, accepted, anchor) + _negation_errors(st, accepted, anchor) +
+                    _predicate_errors(st, accepted))
 
-    def evidence(s: _Sig) -> bool:
-        """Does the sentence visibly state `s` too (so its entities, numbers and dates are allowed)?"""
-        if s.qty is not None or s.when is not None:
-            if val_ok(s) or date_ok(s):
-                return True
-            # Its subject doing its predicate ("Tolenta lowered ...") states it even without the number.
-            return s.subject in present and bool(s.f.pred) and bool(
-                _forms_in(s.f.pred, sentence) or (s.f.pred in CONFLICT and _forms_in(CONFLICT[s.f.pred], sentence)))
-        return s.subject in present if s.subject else bool(s.ents) and set(s.ents) <= present
 
-    accepted = [anchor] + [s for _, s in fitting if s is not anchor and evidence(s) and
-                           (s.subject in present or s.subject == anchor.subject)]
+def _error_at(kind: str, m: Mention, intrinsic: bool, accepted: list[_Sig], anchor: _Sig,
+              fix: Callable[[_Sig], str | None]) -> _Err:
+    """The error at mention `m`: its fix from the first accepted fact that offers one, else no fix (the anchor's)."""
+    for s in accepted:
+        repl = fix(s)
+        if repl is not None:
+            return _Err(kind, m.start, m.end, intrinsic, repl, s)
+    return _Err(kind, m.start, m.end, intrinsic, None, anchor)
+
+
+def _element_errors(view: DocView, st: _Stated, accepted: list[_Sig], anchor: _Sig) -> list[_Err]:
+    """Every entity, number and date the sentence states that no accepted fact holds, in that order."""
     ok_ents = {e for s in accepted for e in s.ents}
     errors: list[_Err] = []
-
-    for m in ents:
+    for m in st.ents:
         if m.name is not None and m.in_doc and m.name in ok_ents:
             continue
-        repl, target = None, None
-        for s in accepted:
-            cand = [e for e in s.ents if e not in present and (m.etype is None or view.entities.get(e) == m.etype)]
-            if cand and m.etype is not None:
-                repl, target = cand[0], s
-                break
-        errors.append(_Err("entity_swap", m.start, m.end, bool(m.name and m.in_doc), repl, target or anchor))
 
-    for m in qtys:
+        def swap(s: _Sig, m: Mention = m) -> str | None:  # the fact's own entity of the mention's type
+            cand = [e for e in s.ents if e not in st.present and view.entities.get(e) == m.etype]
+            return cand[0] if cand and m.etype is not None else None
+        errors.append(_error_at("entity_swap", m, bool(m.name and m.in_doc), accepted, anchor, swap))
+    for m in st.qtys:
         if any(val_ok_one(m.qty, s) for s in accepted):
             continue
-        repl, target = None, None
-        for s in accepted:
-            if s.qty is not None and _qclass(s.qty) == _qclass(m.qty) and not val_ok(s):
-                repl, target = s.f.value.text, s
-                break
-        intrinsic = any(val_ok_one(m.qty, s) for s in view.sigs)
-        errors.append(_Err("number_change", m.start, m.end, intrinsic, repl, target or anchor))
 
-    for m in dates:
-        if any(s.when is not None and when_match(m.when, s.when) for s in accepted):
+        def value(s: _Sig, m: Mention = m) -> str | None:  # the fact's own value of the same class
+            same_class = s.qty is not None and _qclass(s.qty) == _qclass(m.qty)
+            return s.f.value.text if same_class and not st.val_ok(s) else None
+        errors.append(_error_at("number_change", m, any(val_ok_one(m.qty, s) for s in view.sigs), accepted, anchor,
+                                value))
+    for m in st.dates:
+        if any(when_ok_one(m.when, s) for s in accepted):
             continue
-        repl, target = None, None
-        for s in accepted:
-            if s.when is not None and not date_ok(s) and _when_as(s.when, _when_kind(m.when)):
-                repl, target = _when_as(s.when, _when_kind(m.when)), s
-                break
-        intrinsic = any(s.when is not None and when_match(m.when, s.when) for s in view.sigs)
-        errors.append(_Err("date_change", m.start, m.end, intrinsic, repl, target or anchor))
 
-    neg = NEGATION.search(sentence)
+        def date(s: _Sig, m: Mention = m) -> str | None:  # the fact's own date, written as the mention is
+            return _when_as(s.when, _when_kind(m.when)) if s.when is not None and not st.date_ok(s) else None
+        errors.append(_error_at("date_change", m, any(when_ok_one(m.when, s) for s in view.sigs), accepted, anchor,
+                                date))
+    return errors
+
+
+def _negation_errors(st: _Stated, accepted: list[_Sig], anchor: _Sig) -> list[_Err]:
+    """A negation the anchor fact does not have, or one it has that the sentence lacks."""
+    neg = NEGATION.search(st.sentence)
     if neg and anchor.f.polarity and all(s.f.polarity for s in accepted):
-        forms = [x for x in _forms_in(anchor.f.pred, sentence) if not x[2]] if anchor.f.pred else []
-        if forms:
-            form, fix, _ = forms[0]
-            a = _cue_rx(form).search(sentence).start()
-            errors.append(_Err("negation", a, a + len(form), True, fix, anchor))
-        else:
-            errors.append(_Err("negation", neg.start(), neg.end(), True, None, anchor))
+        affirmative, span = False, (neg.start(), neg.end())  # the negated form of the predicate is wrong
     elif not neg and not anchor.f.polarity:
-        forms = [x for x in _forms_in(anchor.f.pred, sentence) if x[2]] if anchor.f.pred else []
-        if forms:
-            form, fix, _ = forms[0]
-            a = _cue_rx(form).search(sentence).start()
-            errors.append(_Err("negation", a, a + len(form), True, fix, anchor))
-        else:
-            errors.append(_Err("negation", 0, len(sentence), True, None, anchor))
+        affirmative, span = True, (0, len(st.sentence))  # the affirmative form is wrong
+    else:
+        return []
+    forms = [x for x in _forms_in(anchor.f.pred, st.sentence) if bool(x[2]) == affirmative] if anchor.f.pred else []
+    if forms:
+        form, fix, _ = forms[0]
+        a = _cue_rx(form).search(st.sentence).start()
+        return [_Err("negation", a, a + len(form), True, fix, anchor)]
+    return [_Err("negation", span[0], span[1], True, None, anchor)]
 
+
+def _predicate_errors(st: _Stated, accepted: list[_Sig]) -> list[_Err]:
+    """An accepted fact's opposite predicate in place of its own ("fell" for "rose")."""
+    errors = []
     for s in accepted:
-        if s.f.pred in CONFLICT and not _forms_in(s.f.pred, sentence):
-            wrong = _forms_in(CONFLICT[s.f.pred], sentence)
+        if s.f.pred in CONFLICT and not _forms_in(s.f.pred, st.sentence):
+            wrong = _forms_in(CONFLICT[s.f.pred], st.sentence)
             if wrong:
                 form, _, affirmative = wrong[0]
                 idx = [p if affirmative else n for p, n in PREDICATES[CONFLICT[s.f.pred]]].index(form) \
                     if form not in PRED_EXTRA.get(CONFLICT[s.f.pred], ()) else 0
                 own = PREDICATES[s.f.pred][idx % len(PREDICATES[s.f.pred])]
                 fix = own[0] if affirmative else own[1]
-                a = _cue_rx(form).search(sentence).start()
+                a = _cue_rx(form).search(st.sentence).start()
                 errors.append(_Err("wrong_predicate", a, a + len(form), True, fix, s))
-    return anchor, errors
+    return errors
 
 
 def val_ok_one(q: Qty, s: _Sig) -> bool:
     return s.qty is not None and qty_match(q, s.qty)
+
+
+def when_ok_one(w: When, s: _Sig) -> bool:
+    return s.when is not None and when_match(w, s.when)
 
 
 def _corrected(view: DocView, sentence: str, anchor: _Sig | None, errors: list[_Err]) -> str:
