@@ -211,18 +211,10 @@ def bench_engine(name, args, docs, group, n_new, real):
     # scoring: forward + backward over the same episodes, per branch vs one tree per episode
     # (a real model: 4 of them, every weight trainable, so its activations fit in memory)
     with_deletes = [e for e in eps if e.n_deleted][:4 if real else None]
-    times = {"branch": [], "tree": []}
-    lps = {}
-    for _ in range(args.reps):
-        for method in ("branch", "tree"):
-            model.zero_grad()
-            t0 = time.perf_counter()
-            out = R.episode_logprobs(model, with_deletes, method=method)
-            loss = -sum(t.sum() for ep in out for t in ep)
-            loss.backward()
-            times[method].append(time.perf_counter() - t0)
-            lps[method] = [t.detach() for ep in out for t in ep]
-    diff = max((a - b).abs().max().item() for a, b in zip(lps["branch"], lps["tree"]))
+    scoring = score_trees_vs_branches(model, with_deletes, args.reps, name) if with_deletes else {}
+    if not with_deletes:
+        print(f"{name}: no rollout deleted anything in {n_new} tokens, so tree and per-branch scoring are not "
+              f"compared (raise --new-tokens)", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in res.items()}
     out = {
         f"{name}_tok_s_hf": med["hf"], f"{name}_tok_s_plain": med["plain"],
@@ -238,10 +230,7 @@ def bench_engine(name, args, docs, group, n_new, real):
         f"{name}_rows": len(eps), f"{name}_new_tokens": n_new,
         f"{name}_tool_events_per_rollout": events, f"{name}_injected_tokens_per_rollout": inj / len(eps),
         f"{name}_doc_tokens_min": min(doc_tokens), f"{name}_doc_tokens_max": max(doc_tokens),
-        f"{name}_score_branch_s": statistics.median(times["branch"]),
-        f"{name}_score_tree_s": statistics.median(times["tree"]),
-        f"{name}_score_speedup": statistics.median(times["branch"]) / statistics.median(times["tree"]),
-        f"{name}_score_max_abs_diff": diff,
+        **scoring,
     }
     if real:
         out[f"{name}_tok_s_generate"] = med["generate"]
@@ -250,6 +239,26 @@ def bench_engine(name, args, docs, group, n_new, real):
         out[f"{name}_tok_s_hf_bf16"] = med["hf_bf16"]
         out[f"{name}_ratio_bf16_vs_fp32"] = med["hf_bf16"] / med["hf"]
     return out
+
+
+def score_trees_vs_branches(model, episodes, reps: int, name: str) -> dict:
+    """Seconds to score `episodes` forward and backward one row per branch and one tree per
+    episode (medians of `reps`), the speedup, and the largest log-prob difference."""
+    times = {"branch": [], "tree": []}
+    lps = {}
+    for _ in range(reps):
+        for method in ("branch", "tree"):
+            model.zero_grad()
+            t0 = time.perf_counter()
+            out = R.episode_logprobs(model, episodes, method=method)
+            loss = -sum(t.sum() for ep in out for t in ep)
+            loss.backward()
+            times[method].append(time.perf_counter() - t0)
+            lps[method] = [t.detach() for ep in out for t in ep]
+    diff = max((a - b).abs().max().item() for a, b in zip(lps["branch"], lps["tree"]))
+    branch, tree = statistics.median(times["branch"]), statistics.median(times["tree"])
+    return {f"{name}_score_branch_s": branch, f"{name}_score_tree_s": tree, f"{name}_score_speedup": branch / tree,
+            f"{name}_score_max_abs_diff": diff}
 
 
 def main():
@@ -275,7 +284,9 @@ def main():
             figures[key] = min(figures[f"{p}_{key}"] for p in presets)
     if args.model:
         for key in ("ratio_vs_generate", "ratio_vs_matmul_bound", "score_speedup"):
-            figures[key] = min(figures[f"{m}_{key}"] for m in args.model)
+            values = [figures[f"{m}_{key}"] for m in args.model if f"{m}_{key}" in figures]
+            if values:
+                figures[key] = min(values)
     for k, v in figures.items():
         print(f"{k:44s} {v:12.4f}")
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))

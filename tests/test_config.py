@@ -719,6 +719,7 @@ def test_the_public_entry_points_named_in_the_design_note_exist():
     ["bench/sft.py", "--batch", "2", "--reps", "1"],
     ["bench/rl_step.py", "--steps", "1", "--reps", "1"],
     ["bench/rollout.py", "--presets", "tiny-1m", "--reps", "1", "--new-tokens", "128"],
+    ["bench/rollout.py", "--presets", "tiny-1m", "--reps", "1", "--new-tokens", "32"],  # too short to delete
     ["bench/sandbox.py", "--calls", "50"],
     ["bench/rewards.py", "--docs", "5"],
 ])
