@@ -698,7 +698,7 @@ def run_command(parser: argparse.ArgumentParser, commands: dict[str, Callable], 
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, LeakError) else 1
     except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
         return 1
 
 
