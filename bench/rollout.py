@@ -211,8 +211,10 @@ def bench_engine(name, args, docs, group, n_new, real):
     # scoring: forward + backward over the same episodes, per branch vs one tree per episode
     # (a real model: 4 of them, every weight trainable, so its activations fit in memory)
     with_deletes = [e for e in eps if e.n_deleted][:4 if real else None]
-    scoring = score_trees_vs_branches(model, with_deletes, args.reps, name) if with_deletes else {}
-    if not with_deletes:
+    if with_deletes:
+        scoring = score_trees_vs_branches(model, with_deletes, args.reps, name)
+    else:
+        scoring = {}
         print(f"{name}: no rollout deleted anything in {n_new} tokens, so tree and per-branch scoring are not "
               f"compared (raise --new-tokens)", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in res.items()}

@@ -347,9 +347,11 @@ def test_check_split_detects_changed_and_unknown_documents():
 
 def test_cli_missing_input_is_one_error_line_naming_the_file(tmp_path):
     missing = str(tmp_path / "missing.jsonl")
-    for args in (("split", "--docs", missing, "--out", str(tmp_path / "s.json")), ("load", "--jsonl", missing, "--out", str(tmp_path / "o.jsonl"))):
+    for args in (("split", "--docs", missing, "--out", str(tmp_path / "s.json")),
+                 ("load", "--jsonl", missing, "--out", str(tmp_path / "o.jsonl"))):
         proc = run_cli(*args, check=False)
-        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and proc.stderr.startswith("error: "), proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
         assert "missing.jsonl" in proc.stderr
     assert not os.path.exists(tmp_path / "s.json") and not os.path.exists(tmp_path / "o.jsonl")
 
