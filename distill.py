@@ -349,7 +349,7 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
                                   batch_size=g.batch_size, seed=cfg.seed)
     t0 = time.perf_counter()
     eps = rollout.rollout(teacher, tok, docs, g.samples_per_doc, scfg, limits,
-                          generator=rollout.make_generator(cfg.seed, teacher))
+                          generator=rollout.make_generator(cfg.seed, teacher), progress="teacher summaries")
     docs_rep = [d for d in docs for _ in range(g.samples_per_doc)]
     scores = rewards.score_batch(list(zip(docs_rep, eps)), cfg.reward) if g.filter in ("pass", "factuality") \
         else [None] * len(eps)

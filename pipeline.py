@@ -1,7 +1,7 @@
 """The whole chain on the built-in news world, one command, CPU:
 
-    python pipeline.py                  # SmolLM2-135M-Instruct: zero-shot -> traces -> SFT -> Dr. GRPO -> student, 3 seeds
-    python pipeline.py --seeds 1        # one seed (a third of the time, no spreads)
+    python pipeline.py                  # SmolLM2-135M-Instruct: zero-shot -> traces -> SFT -> Dr. GRPO -> student, 1 seed
+    python pipeline.py --seeds 3        # three seeds: every figure with its spread over seeds (3x the time)
     python pipeline.py --full           # + SFT without masking, the rules-only RL baseline and three ablations
     python pipeline.py --profile tiny   # the tiny 1M-parameter chain from scratch (base stage included): a fast look
     python pipeline.py --fresh          # rerun every stage, even those whose outputs exist
@@ -15,7 +15,9 @@ command the README gives for it, in a child process; this file only orders
 them, skips a stage whose output already exists (an interrupted stage resumes
 from its newest checkpoint: every trainer runs with resume=auto), and reads the
 stages' JSON outputs into one table. To change a stage, edit its config; to
-add one, add a `Stage`.
+add one, add a `Stage`. The terminal shows each stage's command, progress bar,
+time and result; its whole output goes to runs/pipeline/logs/STAGE.log
+(`--verbose` shows it, resolved config included).
 
 Seeds (`--seeds N`): the trace draw, SFT, RL and distillation run once per seed,
 seed 0 with the configs as they are and seed k >= 1 with `seed=k` and its own
@@ -34,7 +36,8 @@ stand-in for pretraining) and evaluates base, SFT and RL.
 
 The headline table goes to stdout and to runs/pipeline/headline.md (with the
 profile's targets and the project's milestones marked met / not met), its
-figures to runs/pipeline/headline.json.
+figures to runs/pipeline/headline.json and a plot of them by stage to
+runs/pipeline/headline.png.
 """
 from __future__ import annotations
 
@@ -277,7 +280,7 @@ SMOLLM = Chain("smollm", ("zero-shot (no tools)", "out/models/smollm2-135m"), "s
                {"rl_smollm_rules_only": "configs/ablation_smollm_rules_only.yaml",
                 "rl_smollm_no_delete": "configs/ablation_smollm_no_delete.yaml",
                 "rl_smollm_no_search": "configs/ablation_smollm_no_search.yaml",
-                "rl_smollm_no_budget": "configs/ablation_smollm_no_budget.yaml"}, seeds=3, targets=_smollm_targets,
+                "rl_smollm_no_budget": "configs/ablation_smollm_no_budget.yaml"}, seeds=1, targets=_smollm_targets,
                eval_student=True)
 
 
@@ -289,7 +292,7 @@ def tiny_stages(seeds: int = 1) -> list[Stage]:
         "distill": "configs/distill_tiny.yaml", "eval": "configs/eval_tiny.yaml"}, [base])
 
 
-def smollm_stages(seeds: int = 3) -> list[Stage]:
+def smollm_stages(seeds: int = 1) -> list[Stage]:
     # zero-shot: the pretrained model as it is, tools banned (it has never seen them); greedy, so shared by seeds
     zero_shot = Stage("zero_shot", ["eval.py", "--config", "configs/eval_smollm.yaml", "name=eval_smollm_zero_shot",
                                     "tools=none", "--compare", "smollm2-135m"], "runs/eval_smollm_zero_shot/eval.json")
@@ -428,26 +431,65 @@ def launcher(stage: Stage, nproc: int = 1) -> list[str]:
     return ["python"]
 
 
-def run_stage(stage: Stage, cwd: Path, nproc: int = 1) -> float:
+# The stages whose script reads its config through factual_tools.settings (and so takes --verbose).
+CONFIGURED = ("synth_traces.py", "filter_traces.py", "sft.py", "rl.py", "eval.py", "distill.py",
+              "teacher_episodes.py")
+
+
+def run_stage(stage: Stage, cwd: Path, nproc: int = 1, log: Path | None = None, verbose: bool = False) -> float:
     """Run one stage in `cwd` (its outputs land there); returns its wall-clock
-    seconds. A failing stage stops the pipeline with the command to rerun it."""
+    seconds. Its standard output goes to `log` (the terminal keeps its progress bars,
+    warnings and errors, which go to standard error), or to the terminal as well with
+    `verbose`, which also makes the script print its resolved config. A failing stage
+    stops the pipeline with the command to rerun it and the end of its log."""
     script, *rest = stage.argv
     rest = [str(ROOT / a) if a.startswith("configs/") else a for a in rest]
+    if verbose and script in CONFIGURED:
+        rest.append("--verbose")
     how = launcher(stage, nproc)
     start = [sys.executable] if how == ["python"] else [sys.executable, "-m", "torch.distributed.run", *how[1:]]
     # a script at the root, or `-m PACKAGE` (the news world's command line) found through PYTHONPATH
     cmd = [*start, "-m", *rest] if script == "-m" else [*start, str(ROOT / script), *rest]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if not verbose:  # the stage's own progress bar only, not the libraries' bars for loading weights
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     shown = " ".join([*how, *stage.argv])
     print(f"\n=== {stage.label}: {shown}", flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.call(cmd, cwd=cwd, env=env)
+    if log is None or verbose:
+        rc = subprocess.call(cmd, cwd=cwd, env=env)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w", encoding="utf-8") as f:
+            rc = subprocess.call(cmd, cwd=cwd, env=env, stdout=f)
     if rc != 0:
-        raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit {rc}); rerun it alone with\n"
+        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:]) \
+            if log is not None and log.exists() and not verbose else ""
+        raise SystemExit((f"{tail}pipeline: the end of its output above; all of it in {log}\n" if tail else "")
+                         + f"pipeline: stage {stage.label!r} failed (exit {rc}); rerun it alone with\n"
                          f"  {shown}\nthen `python pipeline.py` continues from there")
     if not (cwd / stage.output).exists():
         raise SystemExit(f"pipeline: stage {stage.label!r} finished but did not write {stage.output}")
     return time.perf_counter() - t0
+
+
+def result_lines(stage: Stage, work: Path, log: Path) -> list[str]:
+    """What a finished stage reports: an evaluation's headline figures per model, or
+    the last line its script printed."""
+    out = work / stage.output
+    if out.name == "eval.json":
+        ev = json.loads(out.read_text(encoding="utf-8"))
+        return [f"{m['model']}: fact precision {_pct(m['metrics'].get('fact_precision'))}, hallucination "
+                f"{_pct(m['metrics'].get('hallucination_rate'))}, combined pass {_pct(m['metrics'].get('pass'))}"
+                for m in ev.get("models", [])]
+    lines = log.read_text(encoding="utf-8", errors="replace").split("\n") if log.exists() else []
+    return [x for x in lines if x.strip()][-1:]
+
+
+def minutes(seconds: float) -> str:
+    """`75` -> `1m15s`."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 # ---------------------------------------------------------------------------
@@ -611,6 +653,42 @@ def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds:
     return "\n".join(lines) + "\n", fig
 
 
+PLOTTED = (("fact precision", "fact_precision"), ("hallucination", "hallucination_rate"), ("combined pass", "pass"))
+
+
+def plot_headline(fig: dict, path: Path) -> None:
+    """The headline figures by stage (the table's rows), one bar group per figure, each
+    bar the mean over seeds with its min-max as an error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(label, per) for label, per in fig["per_seed"].items() if label not in ("start", "sft", "rl") and per]
+    width = 0.8 / max(1, len(rows))
+    f, ax = plt.subplots(figsize=(7.5, 3.6), dpi=120)
+    for i, (label, per) in enumerate(rows):
+        stats = []
+        for _, key in PLOTTED:
+            xs = [100 * m[key] for m in per if not _missing(m.get(key))]
+            stats.append((statistics.fmean(xs), min(xs), max(xs)) if xs else (math.nan, math.nan, math.nan))
+        x = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(PLOTTED))]
+        mean = [m for m, _, _ in stats]
+        err = [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
+        ax.bar(x, mean, width, yerr=err if fig.get("seeds", 1) > 1 else None, capsize=3, label=label)
+    ax.set_xticks(range(len(PLOTTED)), [name for name, _ in PLOTTED])
+    ax.set_ylabel("% of held-out summaries / facts")
+    ax.set_ylim(0, 105)
+    seeds = fig.get("seeds", 1)
+    ax.set_title(f"held-out news world, {seeds} seed{'s' if seeds > 1 else ''}"
+                 + (" (bars: mean, whiskers: min-max)" if seeds > 1 else ""), fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", ncol=len(rows), bbox_to_anchor=(0.5, -0.1))
+    f.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f.savefig(path)
+    plt.close(f)
+
+
 def read_outputs(stages: list[Stage], work: Path) -> tuple[dict[str, dict], list[dict], dict]:
     """(model directory -> metrics, each seed's distill.json, the first eval.json) from
     the eval and distill stages of `stages` that have finished in `work`."""
@@ -660,7 +738,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="smollm: the news-world chain with SmolLM2-135M-Instruct (default); tiny: the same chain with "
                          "a 1M-parameter model from scratch; cnn_qwen3_4b: the real-data chain for one GPU")
     ap.add_argument("--seeds", type=int, default=None,
-                    help="seeds of the trace draw, SFT, RL and distillation (default: smollm 3, tiny 1)")
+                    help="seeds of the trace draw, SFT, RL and distillation (default 1; 3 gives the table with "
+                         "each figure's spread over seeds)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show each stage's whole output, its resolved config first (by default its output goes "
+                         "to runs/pipeline/logs/STAGE.log and the terminal shows the command, progress and result)")
     ap.add_argument("--dry-run", action="store_true", help="print the profile's stage commands in order and stop")
     ap.add_argument("--smoke", action="store_true",
                     help="(cnn_qwen3_4b) the same chain on a CPU in minutes: tiny models, the news world for the "
@@ -722,8 +804,9 @@ def main(argv: list[str] | None = None) -> dict:
 
                 api, server = oracle_server.serve(data.read_documents(str(work / CNN)))
             stage = dataclasses.replace(stage, argv=[a.replace("{api}", api) for a in stage.argv])
+        log = out / "logs" / f"{stage.label}.log"
         try:
-            seconds[stage.label] = run_stage(stage, work, args.nproc)
+            seconds[stage.label] = run_stage(stage, work, args.nproc, log, args.verbose)
         except SystemExit as e:
             if not stage.optional:
                 raise
@@ -731,6 +814,10 @@ def main(argv: list[str] | None = None) -> dict:
             failed.append(stage)
             continue
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
+        print(f"    done in {minutes(seconds[stage.label])}"
+              + ("" if args.verbose else f"; its output: {log.relative_to(work)}"), flush=True)
+        for line in ([] if args.verbose else result_lines(stage, work, log)):
+            print(f"    {line}", flush=True)
     if server is not None:
         server.shutdown()
     for stage in failed:
@@ -751,8 +838,10 @@ def main(argv: list[str] | None = None) -> dict:
                        backend=first.get("factuality_backend", "?"))
     common.atomic_write_text(out / "headline.md", md)
     common.atomic_write_text(out / "headline.json", json.dumps(fig, indent=1, default=str))
+    plot_headline(fig, out / "headline.png")
     print("\n" + md)
-    print(f"pipeline: {time.perf_counter() - t_start:.0f} s this call; table in {args.out}/headline.md")
+    print(f"pipeline: {minutes(time.perf_counter() - t_start)} this call; table in {args.out}/headline.md, "
+          f"plot in {args.out}/headline.png")
     return fig
 
 

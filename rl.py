@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
+from tqdm import tqdm
 
 import rewards
 import sandbox
@@ -672,6 +673,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
     history, last_eval = [], {}
     if t.step == 0 and t.eval_docs and t.dist.main:  # rank 0 evaluates; the others wait at the next collective
         last_eval = evaluate(t)
+    bar = tqdm(total=cfg.steps, initial=t.step, desc="rl", unit="step", dynamic_ncols=True, disable=not t.dist.main)
     while t.step < cfg.steps:
         t0 = time.perf_counter()
         docs, eps = rollout_step(t)
@@ -684,6 +686,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         fields = step_fields(t, step_eps, batches, upd, (t0, t1, t2, t3))  # the lr this step used
         t.sched.step()
         t.step += 1
+        bar.update(1)
         t.run.log(t.step, cfg.steps, fields, t3 - t0)
         history.append(fields)
         if cfg.eval.sample_every and t.step % cfg.eval.sample_every == 0 and t.samples is not None:
@@ -693,6 +696,7 @@ def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = Non
         if cfg.save_every and (t.step % cfg.save_every == 0 or t.step == cfg.steps):
             common.save_checkpoint(t.run.dir, t.step, t.model, t.opt, t.sched, state={"scorer": t.scorer.state_dict()},
                                    generators={"sample": t.gen}, keep=cfg.keep_checkpoints, dist=t.dist)
+    bar.close()
     return finish(t, history, last_eval)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from factual_tools import settings
 from factual_tools.settings import ConfigError, config_to_dict, format_config
 
 
@@ -450,7 +451,8 @@ class Run:
 
 
 def start_run(cfg: Any, dist: Dist = SINGLE) -> Run:
-    """Create `{runs_dir}/{name}/` with config.yaml and git.txt; print the config once;
+    """Create `{runs_dir}/{name}/` with config.yaml and git.txt; print the config once
+    with `--verbose` (settings.verbose), else the path of its config.yaml;
     open the trackers of `cfg.log` (a LogConfig), if the config has one.
 
     An existing run directory is reused (a resumed run appends to metrics.jsonl).
@@ -473,7 +475,10 @@ def _start_run(cfg: Any, run_dir: Path, name: str) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     atomic_write_text(run_dir / "git.txt", git_revision() + "\n")
-    print(f"run {run_dir}\n{format_config(cfg)}", end="", flush=True)
+    if settings.verbose:
+        print(f"run {run_dir}\n{format_config(cfg)}", end="", flush=True)
+    else:
+        print(f"run {run_dir} (its resolved config: {run_dir / 'config.yaml'}; --verbose prints it)", flush=True)
     log = getattr(cfg, "log", None)
     sinks = tracker_sinks(log, run_dir, name, config_to_dict(cfg)) if isinstance(log, LogConfig) else []
     return Run(dir=run_dir, metrics=MetricsWriter(run_dir / "metrics.jsonl"), sinks=sinks)

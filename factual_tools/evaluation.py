@@ -311,15 +311,9 @@ def tool_processor(tokenizer, tools: str) -> TagBan | None:
 
 
 def _rollouts(model, tok, docs, group: int, scfg, limits, *, ban, generator, what: str) -> list[sandbox.Episode]:
-    """rollout.rollout over chunks of documents (one batch each), with a progress bar."""
-    per = max(1, scfg.batch_size // group)
-    eps: list[sandbox.Episode] = []
-    with tqdm(total=len(docs), desc=what, unit="doc", leave=False) as bar:
-        for s in range(0, len(docs), per):
-            eps += rollout.rollout(model, tok, docs[s:s + per], group, scfg, limits, logits_processor=ban,
-                                   generator=generator)
-            bar.update(len(docs[s:s + per]))
-    return eps
+    """rollout.rollout with a progress bar named `what`."""
+    return rollout.rollout(model, tok, docs, group, scfg, limits, logits_processor=ban, generator=generator,
+                           progress=what)
 
 
 def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, rollout.SamplingConfig, TagBan | None]:

@@ -43,6 +43,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import sandbox
 
@@ -566,7 +567,8 @@ def _as_index(d) -> sandbox.DocIndex:
 @torch.no_grad()
 def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: SamplingConfig | None = None,
             limits: sandbox.Limits | None = None, *, logits_processor: Callable | None = None,
-            record_contexts: bool = False, generator: torch.Generator | None = None) -> list[sandbox.Episode]:
+            record_contexts: bool = False, generator: torch.Generator | None = None,
+            progress: str | None = None) -> list[sandbox.Episode]:
     """`group_size` episodes per document, in document-major order.
 
     `documents`: texts, `DocIndex`es or records with `.text` (and `.id`).
@@ -574,6 +576,7 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
     ban tool tags for an ablation); recorded log-probs stay the policy's.
     With `record_contexts`, each episode's `meta["engine_contexts"]` holds the
     ids the engine really conditioned each turn on (read from its cache).
+    `progress` names a progress bar over the documents (hf backends; none by default).
     """
     cfg = cfg or SamplingConfig()
     if logits_processor is not None and cfg.backend not in ("hf", "hf_naive"):
@@ -590,10 +593,13 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
         generator = generator or make_generator(cfg.seed, model)
         per_chunk = max(1, cfg.batch_size // group_size)
         episodes: list[sandbox.Episode] = []
-        for s in range(0, len(documents), per_chunk):
-            episodes += _rollout_chunk(model, tokenizer, documents[s:s + per_chunk], group_size, cfg, limits,
-                                       logits_processor=logits_processor, record=record_contexts, generator=generator,
-                                       first_index=len(episodes))
+        with tqdm(total=len(documents), desc=progress, unit="doc", leave=False, disable=progress is None) as bar:
+            for s in range(0, len(documents), per_chunk):
+                chunk = documents[s:s + per_chunk]
+                episodes += _rollout_chunk(model, tokenizer, chunk, group_size, cfg, limits,
+                                           logits_processor=logits_processor, record=record_contexts,
+                                           generator=generator, first_index=len(episodes))
+                bar.update(len(chunk))
         return episodes
     finally:
         model.train(was_training)

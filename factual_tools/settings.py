@@ -35,6 +35,11 @@ class ConfigError(ValueError):
     """A config file or command-line override that does not fit the script's Config."""
 
 
+# `--verbose`, which every script accepts: print the resolved config at the start of a
+# run (it is always written to the run's config.yaml). Set by parse_args.
+verbose = False
+
+
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off"}
 _NONE = {"none", "null", "~"}
@@ -244,7 +249,7 @@ def _build(cls: type, flat: dict, prefix: str = "", base: Any = None) -> Any:
 def _usage(cls: type, flags: tuple[str, ...], prefix: str = "", base: Any = None) -> str:
     """Every key with its type and effective default (a group's default_factory included)."""
     lines = [] if prefix else [f"usage: {Path(sys.argv[0]).name} [--config FILE.yaml] "
-                               f"[key.sub=value ...] {' '.join(flags)}", "keys [default]:"]
+                               f"[key.sub=value ...] {' '.join((*flags, '[--verbose]'))}", "keys [default]:"]
     for f in _fields(cls):
         tp = _hints(cls)[f.name]
         has = base is not None or _has_default(f)
@@ -296,8 +301,10 @@ def parse_args(cls: type, argv: list[str] | None = None,
     """Parse `[--config FILE] [key.sub=value ...] [FLAG ...]` into (cfg, flags present).
 
     `flags` are bare switches the script handles itself (e.g. `rl.py --plan`); any
-    other `-x`/`--xyz` is an error. `-h`/`--help` prints every key and exits.
+    other `-x`/`--xyz` is an error but `--verbose` (every script's: sets `verbose`).
+    `-h`/`--help` prints every key and exits.
     """
+    global verbose
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     args = iter(sys.argv[1:] if argv is None else argv)
@@ -314,8 +321,10 @@ def parse_args(cls: type, argv: list[str] | None = None,
                 raise ConfigError("--config needs a file name")
         elif arg in flags:
             present.add(arg)
+        elif arg == "--verbose":
+            verbose = True
         elif arg.startswith("-"):
-            known = ", ".join(("--config", *flags))
+            known = ", ".join(("--config", *flags, "--verbose"))
             raise ConfigError(f"unknown flag {arg!r}; this script accepts {known} and key=value")
         elif "=" not in arg or arg.startswith("="):
             raise ConfigError(f"argument {arg!r} is not of the form key.sub=value")

@@ -24,6 +24,7 @@ from factual_tools.common import (
     atomic_dir, atomic_write_text, format_step, git_revision, jsonable, mean, MetricsWriter, read_metrics,
     save_config, seed_everything, start_run,
 )
+from factual_tools import settings
 from factual_tools.settings import ConfigError, config_to_dict, format_config, load_config, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,7 +331,7 @@ def test_round_trip(tmp_path):
 # --- runs, step lines, metrics ----------------------------------------------------------
 
 
-def test_start_run(tmp_path, capsys):
+def test_start_run(tmp_path, capsys, monkeypatch):
     cfg = load_config(Config, ["name=exp1", f"runs_dir={tmp_path / 'runs'}", "steps=3"])
     run = start_run(cfg)
     assert run.dir == tmp_path / "runs" / "exp1"
@@ -338,7 +339,13 @@ def test_start_run(tmp_path, capsys):
     rev = (run.dir / "git.txt").read_text().strip()
     assert re.fullmatch(r"[0-9a-f]{40}( dirty)?|unknown", rev), rev
     out = capsys.readouterr().out
-    assert out.count("steps: 3") == 1  # resolved config printed once
+    # the resolved config goes to the run folder, the terminal gets its path
+    assert "steps: 3" not in out and str(run.dir / "config.yaml") in out
+    monkeypatch.setattr(settings, "verbose", False)
+    assert load_config(Config, ["steps=3", "--verbose"]).steps == 3
+    assert settings.verbose  # every script takes --verbose: then the config is printed, once
+    start_run(cfg)
+    assert capsys.readouterr().out.count("steps: 3") == 1
     line = run.log(1, 3, {"loss": 0.5, "len": 12}, 0.25)
     assert line == "step 1/3 | loss 0.5 | len 12 | 0.2s"
     assert line in capsys.readouterr().out

@@ -182,7 +182,8 @@ def test_seeds_run_each_trained_stage_once_per_seed_with_its_own_outputs():
     assert by[("eval", 1)].argv[-2:] == ["runs/sft_tiny_s1/final", "runs/rl_tiny_s1/final"]
     assert by[("eval", 0)].argv[-3:] == [pipeline.BASE, pipeline.SFT, pipeline.RL]  # seed 0 holds the base row
     smollm = {(s.name, s.seed): s for s in pipeline.profile_stages("smollm")}
-    assert ("zero_shot", None) in smollm and ("eval", 2) in smollm and ("eval", 3) not in smollm
+    assert ("zero_shot", None) in smollm and ("eval", 0) in smollm and ("eval", 1) not in smollm  # one by default
+    assert ("eval", 2) in {(s.name, s.seed) for s in pipeline.profile_stages("smollm", 3)}
     assert smollm[("eval", 0)].argv[-3:] == ["runs/sft_smollm/final", "runs/rl_smollm/final",
                                              "runs/distill_smollm/final"]
     with pytest.raises(SystemExit, match="one seed"):
@@ -246,7 +247,7 @@ def test_a_failed_student_leaves_the_rest_of_the_chain_and_its_evaluation_standi
     the end says which stage failed. Any other stage's failure still stops the chain."""
     ran = []
 
-    def fake_run(stage, cwd, nproc=1):
+    def fake_run(stage, cwd, nproc=1, log=None, verbose=False):
         ran.append(stage)
         if stage.name in fail:
             raise SystemExit(f"pipeline: stage {stage.label!r} failed (exit 1)")
@@ -383,4 +384,44 @@ def test_the_gpu_chain_smoke_runs_on_a_cpu_with_the_same_configs(tmp_path):
     for out in ("runs/drgrpo_v19/final", "runs/kto_qwen3_4b/final", "runs/eval_cnn/eval.json",
                 "runs/distill_cnn/distill.json", "out/teacher/cnn_train.done.json"):
         assert (tmp_path / out).exists(), out
-    assert "teacher episodes for 12/40 training documents" in res.stdout  # v19's ToolMatch had its teacher
+    # v19's ToolMatch had its teacher (a stage's own output is in its log)
+    assert "teacher episodes for 12/40 training documents" in (tmp_path / "runs/pipeline/logs/rl_v19.log").read_text()
+
+
+def test_a_stage_prints_to_its_log_and_the_terminal_keeps_its_progress_and_result(tmp_path, capfd):
+    """A stage's standard output (its resolved config and step lines) goes to its log
+    file; its standard error (progress bars, warnings) stays on the terminal; what it
+    reports is the last line it printed, or an evaluation's figures per model. A
+    failure shows the end of the log and the command to rerun."""
+    script = tmp_path / "stage.py"
+    script.write_text("import sys\nprint('config: many lines')\nprint('step 1/1 | loss 0.5')\n"
+                      "print('progress 100%', file=sys.stderr)\nprint('done: loss 0.5')\n"
+                      "open('out.txt', 'w').write('x')\nsys.exit(int(sys.argv[1]))\n")
+    log = tmp_path / "logs" / "s.log"
+    ok = pipeline.Stage("s", [str(script), "0"], "out.txt")
+    assert pipeline.run_stage(ok, tmp_path, log=log) >= 0
+    out, err = capfd.readouterr()
+    assert "config: many lines" not in out + err and "progress 100%" in err and f"=== s: python {script} 0" in out
+    assert "config: many lines" in log.read_text()
+    assert pipeline.result_lines(ok, tmp_path, log) == ["done: loss 0.5"]
+    with pytest.raises(SystemExit, match=r"(?s)done: loss 0.5\n.*all of it in .*s.log.*failed \(exit 3\)"):
+        pipeline.run_stage(pipeline.Stage("s", [str(script), "3"], "out.txt"), tmp_path, log=log)
+    pipeline.run_stage(ok, tmp_path, log=log, verbose=True)  # --verbose: everything on the terminal
+    assert "config: many lines" in capfd.readouterr().out
+    ev = pipeline.Stage("eval", ["eval.py"], "eval.json")
+    (tmp_path / "eval.json").write_text(json.dumps(_eval_json({"runs/rl/final": _metrics(fact_precision=0.9)})))
+    assert pipeline.result_lines(ev, tmp_path, log) == [
+        "runs/rl/final: fact precision 90.0%, hallucination 50.0%, combined pass 10.0%"]
+
+
+def test_the_headline_plot_is_written_with_one_bar_group_per_figure(tmp_path):
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics(fact_precision=0.78)}
+    for s in range(2):
+        models[c.sft(s)], models[c.rl(s)] = _metrics(fact_precision=0.9 + s / 100), _metrics(fact_precision=0.95)
+        models[c.student(s)] = _metrics()
+    _, fig = pipeline.headline(c, models, [], seeds=2, n_docs=103, backend="oracle")
+    pipeline.plot_headline(fig, tmp_path / "h.png")
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [label for label in fig["per_seed"] if label not in ("start", "sft", "rl")] == [
+        "zero-shot (no tools)", "SFT (tools)", "Dr. GRPO", "student (no tools)"]
