@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import data
 import distill
@@ -104,6 +105,26 @@ def test_kd_loss_is_zero_for_identical_logits_and_positive_otherwise():
     assert distill.kd_loss(x, x.clone(), 1.5).item() == pytest.approx(0.0, abs=1e-6)
     assert distill.kd_loss(x, x + 3.0, 1.5).item() == pytest.approx(0.0, abs=1e-5)  # softmax ignores a shift
     assert distill.kd_loss(x, torch.randn(5, 7, generator=g), 1.5).item() > 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kd_loss_in_chunks_gives_autograds_value_and_gradient(dtype):
+    """kd_loss takes the positions a chunk at a time and writes its gradient, T (q - p),
+    itself: the same loss and gradient as autograd through the whole (N, V) formula,
+    for logits of either dtype and a chunk that does not divide N."""
+    g = torch.Generator().manual_seed(1)
+    s = (3 * torch.randn(11, 50, generator=g)).to(dtype).requires_grad_()
+    t = (3 * torch.randn(11, 50, generator=g)).to(dtype)
+    T = 2.0
+    log_q, log_p = F.log_softmax(s.float() / T, dim=-1), F.log_softmax(t.float() / T, dim=-1)
+    ref = T * T * (log_p.exp() * (log_p - log_q)).sum()
+    (ref_grad,) = torch.autograd.grad(3.0 * ref, s)
+    loss = distill.kd_loss(s, t, T, chunk=4)
+    (3.0 * loss).backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient is stored in the logits' dtype
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert s.grad.dtype == dtype and torch.allclose(s.grad.float(), ref_grad.float(), rtol=tol, atol=tol * 1e-2)
+    assert ref.item() > 1.0  # the two distributions differ
 
 
 @pytest.mark.parametrize("keep_every", [0.5, 1, -2])
