@@ -89,7 +89,9 @@ def copy_tree(dst: Path) -> None:
 
 
 def run_tests(cwd: Path, tests: list[str], timeout_s: int) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--timeout={timeout_s}", *tests]
+    # every test of the files, the slow tier too (pytest.ini deselects it by default)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+           f"--timeout={timeout_s}", *tests]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     return proc.returncode, proc.stdout + proc.stderr
