@@ -457,11 +457,11 @@ def run_stage(stage: Stage, cwd: Path, nproc: int = 1, log: Path | None = None, 
     print(f"\n=== {stage.label}: {shown}", flush=True)
     t0 = time.perf_counter()
     if log is None or verbose:
-        rc = subprocess.call(cmd, cwd=cwd, env=env)
+        rc = wait_for(subprocess.Popen(cmd, cwd=cwd, env=env), stage.label)
     else:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w", encoding="utf-8") as f:
-            rc = subprocess.call(cmd, cwd=cwd, env=env, stdout=f)
+            rc = wait_for(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f), stage.label)
     if rc != 0:
         tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:]) \
             if log is not None and log.exists() and not verbose else ""
@@ -471,6 +471,26 @@ def run_stage(stage: Stage, cwd: Path, nproc: int = 1, log: Path | None = None, 
     if not (cwd / stage.output).exists():
         raise SystemExit(f"pipeline: stage {stage.label!r} finished but did not write {stage.output}")
     return time.perf_counter() - t0
+
+
+# The peak resident memory (bytes) of each stage's process, as the kernel reports it when
+# the stage exits (ru_maxrss of wait4), by stage label; printed beside the stage's time.
+PEAK_RSS: dict[str, int] = {}
+
+
+def wait_for(proc: subprocess.Popen, label: str) -> int:
+    """`proc`'s exit status once it has exited; its peak memory goes to PEAK_RSS[label]
+    (where the OS has wait4; elsewhere only the status)."""
+    if not hasattr(os, "wait4"):
+        return proc.wait()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except KeyboardInterrupt:
+        proc.kill()
+        raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    PEAK_RSS[label] = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return proc.returncode
 
 
 def result_lines(stage: Stage, work: Path, log: Path) -> list[str]:
@@ -814,7 +834,8 @@ def main(argv: list[str] | None = None) -> dict:
             failed.append(stage)
             continue
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
-        print(f"    done in {minutes(seconds[stage.label])}"
+        peak = PEAK_RSS.get(stage.label)
+        print(f"    done in {minutes(seconds[stage.label])}" + (f", peak memory {peak / 1e9:.1f} GB" if peak else "")
               + ("" if args.verbose else f"; its output: {log.relative_to(work)}"), flush=True)
         for line in ([] if args.verbose else result_lines(stage, work, log)):
             print(f"    {line}", flush=True)

@@ -403,6 +403,7 @@ def test_a_stage_prints_to_its_log_and_the_terminal_keeps_its_progress_and_resul
     out, err = capfd.readouterr()
     assert "config: many lines" not in out + err and "progress 100%" in err and f"=== s: python {script} 0" in out
     assert "config: many lines" in log.read_text()
+    assert pipeline.PEAK_RSS["s"] > 1e6  # the stage's peak memory, for its done line
     assert pipeline.result_lines(ok, tmp_path, log) == ["done: loss 0.5"]
     with pytest.raises(SystemExit, match=r"(?s)done: loss 0.5\n.*all of it in .*s.log.*failed \(exit 3\)"):
         pipeline.run_stage(pipeline.Stage("s", [str(script), "3"], "out.txt"), tmp_path, log=log)
