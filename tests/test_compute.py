@@ -1,6 +1,8 @@
 """Compute settings chosen at run time: bf16 autocast only where the hardware
 multiplies bf16 natively, said in the run log, and reaching every model call of
 the trainers that ask for it."""
+import sys
+
 import pytest
 import torch
 
@@ -140,3 +142,20 @@ def test_frozen_weights_held_in_bf16_give_autocasts_products_and_come_back():
     assert base.lm_head.weight is base.model.embed_tokens.weight
     with common.autocast(False, "cpu", model):
         assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_freed_large_tensor_is_reused_without_faulting_in_new_pages():
+    """keep_freed_memory: a 64 MB tensor freed and allocated again comes back from the
+    heap, not as freshly mapped pages (16,384 minor faults each time by default)."""
+    import resource
+
+    def faults_of_one_allocation() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(16 * 2**20)  # 64 MB, written, then freed
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    if not common.keep_freed_memory():
+        pytest.skip("not glibc")
+    faults_of_one_allocation()  # the heap grows once
+    assert faults_of_one_allocation() < 1000
