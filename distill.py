@@ -257,7 +257,7 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
     chunks += [cur] if cur else []
     logits, targets, generated = [], [], []
     for chunk in chunks:
-        width = max(len(b.input_ids) for b in chunk)
+        width = rollout.bucketed(max(len(b.input_ids) for b in chunk), dev)  # few shapes under bf16
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         wanted = []

@@ -689,6 +689,23 @@ def _branch_list(episodes, tokenizer):
     return out
 
 
+# Under bf16 autocast on a CPU, torch multiplies through oneDNN, which builds a kernel for
+# every new matrix shape and keeps it in its primitive cache (up to 1,024). Trees of every
+# length made every SFT and RL step a new shape: an SFT run's memory grew by about 0.2 GB a
+# step (3.3 to 4.8 GB in 7 steps of SmolLM2, two AMD EPYC cores), and capping the cache at 8
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY) stopped the growth but made a step 1.5x slower, every
+# kernel built again. Rounding the scored lengths up to a multiple of SHAPE_STEP keeps the
+# shapes few; the padding is masked out and costs a few percent of a forward.
+SHAPE_STEP = 64
+
+
+def bucketed(n: int, device) -> int:
+    """`n` rounded up to a multiple of SHAPE_STEP under bf16 autocast on a CPU, else `n`."""
+    if torch.device(device).type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return -(-n // SHAPE_STEP) * SHAPE_STEP
+    return n
+
+
 def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list[list[int]], targets: list[list[int]],
                        temperature: float) -> list[torch.Tensor]:
     """log p(targets[b][j] | prefix) where the logits come from position
@@ -699,9 +716,11 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
     SFT step, measured; one gather serves every row.)"""
     dev = ids.device
     t = temperature if temperature > 0 else 1.0
-    rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w], dtype=torch.long, device=dev)
-    pos = torch.tensor([p for w in wanted for p in w], dtype=torch.long, device=dev)
-    tg = torch.tensor([x for tgt in targets for x in tgt], dtype=torch.long, device=dev)
+    n = sum(map(len, wanted))
+    pad = [0] * (bucketed(n, dev) - n)  # row 0's first position, scored and dropped: a bucketed head shape
+    rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w] + pad, dtype=torch.long, device=dev)
+    pos = torch.tensor([p for w in wanted for p in w] + pad, dtype=torch.long, device=dev)
+    tg = torch.tensor([x for tgt in targets for x in tgt] + pad, dtype=torch.long, device=dev)
     if _head_is_plain(model):  # the decoder, then the head on the wanted pairs only
         h = model.get_decoder()(input_ids=ids, attention_mask=attention_mask,
                                 position_ids=position_ids).last_hidden_state
@@ -712,7 +731,7 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
         col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=torch.tensor(keep, device=dev)).logits[rows, col[pos]]
-    logp = F.log_softmax(logits.float() / t, dim=-1).gather(-1, tg[:, None])[:, 0]  # (N,)
+    logp = F.log_softmax(logits.float() / t, dim=-1).gather(-1, tg[:, None])[:n, 0]  # (N,)
     return list(logp.split([len(w) for w in wanted]))
 
 
@@ -892,7 +911,7 @@ def score_trees(model, chunk, out, temperature, dev):
     """One forward over the trees of `chunk` (right-padded rows, each row's attention
     mask its trie: a node sees itself and its ancestors). Writes the log-probs of every
     tree's targets into `out[episode][turn]`, differentiable."""
-    width = max(len(t.ids) for t in chunk)
+    width = bucketed(max(len(t.ids) for t in chunk), dev)
     dtype = next(model.parameters()).dtype
     if not dtype.is_floating_point:
         dtype = torch.float32

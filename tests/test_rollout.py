@@ -494,3 +494,30 @@ def test_api_client_refuses_redirects_oversized_and_malformed_answers():
     finally:
         srv.httpd.shutdown()
         other.httpd.shutdown()
+
+
+def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, monkeypatch):
+    """Under bf16 autocast on a CPU every scored width and head batch is a multiple of
+    SHAPE_STEP (oneDNN builds and keeps a kernel per shape); the padding is masked out:
+    the log-probs are those of the unpadded forward. Without autocast nothing is padded."""
+    eps = run(model, "hf")
+    widths, real = [], model.get_decoder().forward
+
+    def spy(*a, **k):
+        widths.append(k["input_ids"].shape[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(model.get_decoder(), "forward", spy)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        padded = R.episode_logprobs(model, eps, method="tree")
+        monkeypatch.setattr(R, "SHAPE_STEP", 1)
+        plain = R.episode_logprobs(model, eps, method="tree")
+    assert widths and all(w % 64 == 0 for w in widths[:len(widths) // 2]), widths
+    assert any(w % 64 for w in widths[len(widths) // 2:])  # the check has teeth: real widths are ragged
+    for a, b in zip(padded, plain):
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and torch.allclose(x.float(), y.float(), atol=2e-2)
+    widths.clear()
+    with torch.no_grad():
+        R.episode_logprobs(model, eps, method="tree")
+    assert any(w % 64 for w in widths)  # fp32: nothing padded
