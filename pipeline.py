@@ -506,6 +506,11 @@ def result_lines(stage: Stage, work: Path, log: Path) -> list[str]:
     return [x for x in lines if x.strip()][-1:]
 
 
+def gigabytes(n: int) -> str:
+    """`3.4e9` -> `3.4 GB`; below 1 GB in MB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
 def minutes(seconds: float) -> str:
     """`75` -> `1m15s`."""
     m, s = divmod(round(seconds), 60)
@@ -835,7 +840,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
         peak = PEAK_RSS.get(stage.label)
-        print(f"    done in {minutes(seconds[stage.label])}" + (f", peak memory {peak / 1e9:.1f} GB" if peak else "")
+        print(f"    done in {minutes(seconds[stage.label])}" + (f", peak memory {gigabytes(peak)}" if peak else "")
               + ("" if args.verbose else f"; its output: {log.relative_to(work)}"), flush=True)
         for line in ([] if args.verbose else result_lines(stage, work, log)):
             print(f"    {line}", flush=True)

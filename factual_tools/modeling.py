@@ -17,11 +17,16 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
+import logging
 from typing import Any, Literal
 
 
 from factual_tools import common
 from factual_tools.settings import ConfigError
+
+# bitsandbytes, which peft imports, warns on every CPU that the optional `kernels` package
+# for its 4-bit products is missing; its own 4-bit CPU path runs without it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 PRESET_MODELS_DIR = Path("out") / "models"  # where a preset name is built or converted on first use
