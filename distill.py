@@ -476,6 +476,8 @@ def main(cfg: Config) -> dict:
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
     teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, teacher)  # the teacher's width decides
+    if dev == "cpu" and common.keep_freed_memory():  # each step's logits reuse the last step's pages
+        print("memory: freed blocks kept for reuse (glibc)")
     with common.autocast(bf16, dev, teacher), common.main_first(dist):  # rank 0 generates, the others read its cache
         episodes, funnel = teacher_episodes(cfg, run.dir, teacher, t_tok, train_docs, limits)
     print(f"teacher episodes: {funnel['kept']}/{funnel['generated']} kept (filter {cfg.generate.filter}; "

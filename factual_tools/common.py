@@ -825,7 +825,9 @@ def keep_freed_memory() -> bool:
     steps, a quarter of the process's CPU time spent in the kernel. With no mapped blocks
     (M_MMAP_MAX = 0) and no trimming (M_TRIM_THRESHOLD at its maximum), freed memory stays
     in the heap and the next step reuses it: the peak stays what it was, and is not given
-    back until the process ends."""
+    back until the process ends, and blocks of ever-changing sizes can fragment the heap
+    (an RL run peaked at 19 GB with it, one seed, not compared without it): distillation,
+    whose big blocks are all alike, is the one stage that asks for it."""
     import ctypes
     import sys
 
@@ -842,17 +844,14 @@ def keep_freed_memory() -> bool:
 
 def setup_compute(threads: int, autocast_kind: str, device_type: str, model=None) -> bool:
     """A script's compute settings, chosen once and printed: torch's CPU threads (0 =
-    its default), bf16 autocast (`choose_autocast`, for `model`'s width when given),
-    and on a CPU the allocator's reuse of freed memory (`keep_freed_memory`); returns
-    whether autocast is on."""
+    its default) and bf16 autocast (`choose_autocast`, for `model`'s width when given);
+    returns the latter."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     on, why = choose_autocast(autocast_kind, device_type, hidden_size(model))
-    kept = device_type == "cpu" and keep_freed_memory()
-    print(f"compute: {device_type}, {torch.get_num_threads()} threads, {why}"
-          + (", freed memory kept for reuse (glibc)" if kept else ""), flush=True)
+    print(f"compute: {device_type}, {torch.get_num_threads()} threads, {why}", flush=True)
     return on
 
 
