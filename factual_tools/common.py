@@ -826,8 +826,9 @@ def keep_freed_memory() -> bool:
     (M_MMAP_MAX = 0) and no trimming (M_TRIM_THRESHOLD at its maximum), freed memory stays
     in the heap and the next step reuses it: the peak stays what it was, and is not given
     back until the process ends, and blocks of ever-changing sizes can fragment the heap
-    (an RL run peaked at 19 GB with it, one seed, not compared without it): distillation,
-    whose big blocks are all alike, is the one stage that asks for it."""
+    (RL's memory rises and falls between 8 and 19 GB within a run; held at its peak, it
+    would stay there): distillation, whose big blocks are all alike, is the one stage that
+    asks for it."""
     import ctypes
     import sys
 
