@@ -111,7 +111,7 @@ def packed_lm_tight_step(model, ids, labels):
 
 def packed_trees_step(model, episodes, trees, width, n_tok):
     """The trees packed first-fit (largest first) into rows of `width`, each row
-    one `rollout.TokenTree` of disjoint tries (so `_tree_mask` makes its mask block
+    one `rollout.TokenTree` of disjoint tries (so `tree_mask` makes its mask block
     diagonal), scored by `rollout.score_trees` itself."""
     rows = []
     for t in sorted(trees, key=lambda t: -len(t.ids)):

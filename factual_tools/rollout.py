@@ -209,11 +209,13 @@ _REGISTERED: set[str] = set()
 
 
 def _attention(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling=None, is_causal=None,
-               ragged: "_RaggedCache | None" = None, **kwargs):
+               ragged: "_RaggedCache | None" = None, tree_blocks: "TreeBlocks | None" = None, **kwargs):
     """transformers' attention-function signature: query (B, H, Q, D), key/value
     (B, H_kv, K, D), a 4D bool or additive mask; returns ((B, Q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if tree_blocks is not None:
+        return _block_attention(query, key, value, tree_blocks, dropout=dropout, scaling=scaling), None
     if ragged is not None and ragged.pkeys is not None:
         return _ragged_attention(module, query, key, value, attention_mask, scaling=scaling, cache=ragged, **kwargs)
     if query.device.type != "cpu" or attention_mask is None or key.shape[1] == query.shape[1]:
@@ -264,6 +266,82 @@ def _ragged_attention(module, query, key, value, attention_mask, *, scaling, cac
     probs = (torch.cat([prompt, own], -1).float() * scale).softmax(-1).to(value.dtype)
     out = by_row(torch.matmul(by_doc(probs[..., :plen]), pv)) + torch.matmul(probs[..., plen:], value)
     return out.view(n, h, w, d).transpose(1, 2).contiguous(), None  # (n, W, H, D)
+
+
+# Tree scoring's attention in blocks. A group's tree is its prompt followed by its
+# rollouts, and a rollout's tokens never see another rollout's: under the dense
+# (T, T) tree mask most of the attention is computed and then masked away, and so
+# is the upper half of every causal chain and the whole of the padding rows. On a
+# CPU that attention was the larger part of an RL update: SmolLM2 on a group tree of
+# 3,216 nodes took 29 s forward and backward with the dense mask (AVX2 kernels).
+# `tree_blocks` cuts the query nodes into blocks of TREE_BLOCK and gives each block
+# only the key columns one of its nodes may see (its prompt, its own rollout, its
+# earlier tokens); blocks that read about as many columns go through one attention
+# call. The same attention, on that tree a fifth of the work
+# (bench/tree_attention.py).
+TREE_BLOCK = 64
+
+
+@dataclass
+class BlockPart:
+    """Query blocks `rows` (indices into the flattened (B * n_blocks) blocks) attend to
+    the flattened (B * T) key positions `cols[i]`, where `mask[i, 0]` allows."""
+    rows: torch.Tensor  # (n,) long
+    cols: torch.Tensor  # (n, K) long
+    mask: torch.Tensor  # (n, 1, TREE_BLOCK, K) bool
+
+
+@dataclass
+class TreeBlocks:
+    parts: list[BlockPart]
+    order: torch.Tensor  # the blocks of the parts, concatenated, back in block order
+
+
+def tree_blocks(allowed: torch.Tensor) -> TreeBlocks | None:
+    """The block form of a batch of tree masks `allowed` (B, T, T), or None when it
+    would skip too little of the dense mask's work to pay for its gathers. A block's
+    key columns are rounded up to a multiple of 2 * TREE_BLOCK (few shapes, few calls)."""
+    b, t, _ = allowed.shape
+    nb = -(-t // TREE_BLOCK)
+    rows = allowed.new_zeros((b, nb * TREE_BLOCK, t))
+    rows[:, :t] = allowed
+    rows[:, t:, 0] = True  # a padded row reads column 0: no row without a key
+    rows = rows.view(b * nb, TREE_BLOCK, t)
+    seen = rows.any(1)  # (blocks, T): the columns each block reads
+    step = 2 * TREE_BLOCK
+    widths = ((seen.sum(-1) + step - 1) // step * step).clamp(max=t)
+    if int(widths.sum()) * TREE_BLOCK > 0.8 * b * t * t:
+        return None
+    # a block's seen columns first, in order; the unseen ones that pad it to its width are masked
+    cols = seen.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices
+    offset = torch.arange(b * nb, device=allowed.device) // nb * t  # into the flattened (B * T) keys
+    parts = []
+    for w in widths.unique().tolist():
+        idx = (widths == w).nonzero()[:, 0]
+        c = cols[idx, :w]
+        mask = rows[idx].gather(2, c[:, None].expand(-1, TREE_BLOCK, w))
+        parts.append(BlockPart(idx, c + offset[idx, None], mask[:, None]))
+    return TreeBlocks(parts, torch.cat([p.rows for p in parts]).argsort())
+
+
+def _block_attention(query, key, value, blocks: TreeBlocks, *, dropout: float, scaling):
+    """Attention of the nodes of a batch of trees through `blocks`: query (B, H, T, D),
+    key/value (B, H_kv, T, D); returns (B, T, H, D)."""
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    nb = len(blocks.order) // b
+    q = F.pad(query, (0, 0, 0, nb * TREE_BLOCK - t)).view(b, h, nb, TREE_BLOCK, d).transpose(1, 2)
+    q = q.reshape(b * nb, h, TREE_BLOCK, d)
+    flat_k, flat_v = (x.transpose(1, 2).reshape(b * t, hkv, d) for x in (key, value))
+    outs = []
+    for part in blocks.parts:
+        k, v = flat_k[part.cols].transpose(1, 2), flat_v[part.cols].transpose(1, 2)  # (n, H_kv, K, D)
+        if h != hkv and q.device.type != "cpu":  # CUDA's fused kernels take no mask with enable_gqa
+            k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+        outs.append(F.scaled_dot_product_attention(q[part.rows], k, v, attn_mask=part.mask, dropout_p=dropout,
+                                                   scale=scaling, enable_gqa=h != k.shape[1]))
+    out = torch.cat(outs)[blocks.order]  # (B * nb, H, TREE_BLOCK, D)
+    return out.view(b, nb, h, TREE_BLOCK, d).transpose(2, 3).reshape(b, nb * TREE_BLOCK, h, d)[:, :t].contiguous()
 
 
 def _register_attention() -> None:
@@ -707,7 +785,7 @@ def bucketed(n: int, device) -> int:
 
 
 def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list[list[int]], targets: list[list[int]],
-                       temperature: float) -> list[torch.Tensor]:
+                       temperature: float, **attention) -> list[torch.Tensor]:
     """log p(targets[b][j] | prefix) where the logits come from position
     wanted[b][j] of row b. Only the (row, position) pairs some row wants go
     through the output head: for SFT and RL most of a sequence is prompt, and a
@@ -722,15 +800,15 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
     pos = torch.tensor([p for w in wanted for p in w] + pad, dtype=torch.long, device=dev)
     tg = torch.tensor([x for tgt in targets for x in tgt] + pad, dtype=torch.long, device=dev)
     if _head_is_plain(model):  # the decoder, then the head on the wanted pairs only
-        h = model.get_decoder()(input_ids=ids, attention_mask=attention_mask,
-                                position_ids=position_ids).last_hidden_state
+        h = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **attention).last_hidden_state
         logits = model.get_output_embeddings()(h[rows, pos])
     else:  # a model that post-processes its logits: every row at every position some row wants
         keep = sorted(set(pos.tolist()))
         col = torch.full((ids.shape[1],), -1, dtype=torch.long, device=dev)
         col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=torch.tensor(keep, device=dev)).logits[rows, col[pos]]
+                       logits_to_keep=torch.tensor(keep, device=dev), **attention).logits[rows, col[pos]]
     logp = F.log_softmax(logits.float() / t, dim=-1).gather(-1, tg[:, None])[:n, 0]  # (N,)
     return list(logp.split([len(w) for w in wanted]))
 
@@ -882,7 +960,7 @@ def group_logprobs(model, episodes: Sequence[sandbox.Episode], group_size: int, 
     return out
 
 
-def _tree_mask(tree: TokenTree, width: int) -> torch.Tensor:
+def tree_mask(tree: TokenTree, width: int) -> torch.Tensor:
     """(width, width) bool: node i sees node j iff j is i or an ancestor of i.
 
     Nodes are created in path order, so the nodes a branch adds are a
@@ -921,7 +999,7 @@ def score_trees(model, chunk, out, temperature, dev):
     for i, t in enumerate(chunk):
         ids[i, :len(t.ids)] = torch.tensor(t.ids)
         pos[i, :len(t.ids)] = torch.tensor(t.depth)
-        masks.append(_tree_mask(t, width))
+        masks.append(tree_mask(t, width))
         w, tg = [], []
         for e, ti, nodes in t.targets:
             where.append((i, e, ti, len(w), len(w) + len(nodes)))
@@ -929,10 +1007,13 @@ def score_trees(model, chunk, out, temperature, dev):
             tg += [t.ids[n] for n in nodes]
         wanted.append(w)
         targets.append(tg)
-    allowed = torch.stack(masks)[:, None].to(dev)  # (B, 1, T, T)
-    add = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
-    rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted=wanted, targets=targets,
-                              temperature=temperature)
+    allowed = torch.stack(masks).to(dev)  # (B, T, T)
+    add = torch.zeros((len(chunk), 1, width, width), dtype=dtype, device=dev).masked_fill_(~allowed[:, None],
+                                                                                         torch.finfo(dtype).min)
+    with grouped_kv_attention(model):
+        blocks = tree_blocks(allowed) if getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION else None
+        rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted=wanted, targets=targets,
+                                  temperature=temperature, tree_blocks=blocks)
     for i, e, ti, a, z in where:
         out[e][ti] = rows[i][a:z]
 

@@ -138,6 +138,79 @@ def test_group_tree_shares_the_prompt(model):
             assert torch.allclose(out[e][ti], torch.tensor(t.logprobs), atol=1e-4)
 
 
+def _unblocked(blocks, t):
+    """The (n_blocks * TREE_BLOCK, T) mask a TreeBlocks stands for, scattered back."""
+    n = len(blocks.order)
+    dense = torch.zeros(n * R.TREE_BLOCK, t, dtype=torch.bool)
+    for part in blocks.parts:
+        for i, blk in enumerate(part.rows.tolist()):
+            rows = torch.arange(blk * R.TREE_BLOCK, (blk + 1) * R.TREE_BLOCK)[:, None]
+            dense.index_put_((rows, part.cols[i][None]), part.mask[i, 0], accumulate=True)
+    return dense
+
+
+def test_tree_blocks_attend_where_the_mask_allows_and_skip_the_rest():
+    """A tree's block form: each block of TREE_BLOCK query nodes reads only the key columns
+    some of its nodes may see. On a group tree (a prompt, then rollouts that never see
+    each other) that is a fraction of the dense (T, T) mask's work, on a causal chain about
+    half; a tree of one block has nothing to skip and keeps the dense mask."""
+    p, per, g = 100, 150, 6
+    parent = list(range(-1, p - 1))
+    for _ in range(g):
+        parent += [p - 1] + list(range(len(parent), len(parent) + per - 1))
+    depth = [0] * len(parent)
+    for i, a in enumerate(parent):
+        depth[i] = 0 if a < 0 else depth[a] + 1
+    tree = R.TokenTree(list(range(len(parent))), parent, depth, [], [])
+    tree.paths = [list(range(p)) + list(range(p + r * per, p + (r + 1) * per)) for r in range(g)]
+    n = len(parent)
+    allowed = R.tree_mask(tree, n)[None]
+    blocks = R.tree_blocks(allowed)
+    work = sum(part.mask.numel() for part in blocks.parts)
+    assert work < 0.3 * n * n and len(blocks.parts) > 1
+    assert torch.equal(_unblocked(blocks, n)[:n], allowed[0])
+    chain = R.tree_mask(R.TokenTree(list(range(n)), [i - 1 for i in range(n)], list(range(n)), [], [list(range(n))]), n)
+    blocks = R.tree_blocks(chain[None])
+    assert 0.5 * n * n < sum(part.mask.numel() for part in blocks.parts) < 0.65 * n * n
+    assert torch.equal(_unblocked(blocks, n)[:n], chain)
+    assert R.tree_blocks(chain[None, :40, :40]) is None
+
+
+def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
+    """Group trees scored through their blocks: the same log-probs and the same gradient as
+    through the dense (T, T) mask, and the block path is the one taken."""
+    eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=6)
+    assert sum(e.n_delete for e in eps) >= 4  # branches inside the rollouts too, not only between them
+    monkeypatch.setattr(R, "TREE_BLOCK", 16)  # the tiny trees hold a few blocks of 16
+    calls, real = [], R._block_attention
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "_block_attention", spy)
+    results = []
+    for blocks in (True, False):
+        if not blocks:
+            monkeypatch.setattr(R, "tree_blocks", lambda allowed: None)
+        model.zero_grad()
+        calls.clear()
+        lps = R.group_logprobs(model, eps, group_size=6)
+        (-sum(t.sum() for e in lps for t in e)).backward()
+        results.append((lps, [p.grad.clone() for p in model.parameters()]))
+        assert bool(calls) == blocks
+    (a, ga), (b, gb) = results
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            assert torch.allclose(u, v, atol=1e-5)
+    for u, v in zip(ga, gb):
+        assert torch.allclose(u, v, atol=1e-5, rtol=1e-4)
+    for e, ep in enumerate(eps):  # and both are the sampler's
+        for ti, t in enumerate(ep.turns):
+            assert torch.allclose(a[e][ti].detach(), torch.tensor(t.logprobs), atol=1e-4)
+    model.zero_grad()
+
+
 def test_logprobs_are_differentiable(model):
     eps = run(model, "hf", docs=[DOC[:200]], group=1)
     lps = R.episode_logprobs(model, eps)
@@ -501,6 +574,8 @@ def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, m
     SHAPE_STEP (oneDNN builds and keeps a kernel per shape); the padding is masked out:
     the log-probs are those of the unpadded forward. Without autocast nothing is padded."""
     eps = run(model, "hf")
+    with torch.no_grad():
+        R.episode_logprobs(model, eps[:1])  # the once-per-model head check runs its own short forwards
     widths, real = [], model.get_decoder().forward
 
     def spy(*a, **k):
