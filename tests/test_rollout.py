@@ -152,8 +152,8 @@ def _unblocked(blocks, t):
 def test_tree_blocks_attend_where_the_mask_allows_and_skip_the_rest():
     """A tree's block form: each block of TREE_BLOCK query nodes reads only the key columns
     some of its nodes may see. On a group tree (a prompt, then rollouts that never see
-    each other) that is a fraction of the dense (T, T) mask's work, on a causal chain about
-    half; a tree of one block has nothing to skip and keeps the dense mask."""
+    each other) that is a fraction of the dense (T, T) mask's work. A causal chain would
+    skip less than half, and keeps the dense mask."""
     p, per, g = 100, 150, 6
     parent = list(range(-1, p - 1))
     for _ in range(g):
@@ -170,10 +170,7 @@ def test_tree_blocks_attend_where_the_mask_allows_and_skip_the_rest():
     assert work < 0.3 * n * n and len(blocks.parts) > 1
     assert torch.equal(_unblocked(blocks, n)[:n], allowed[0])
     chain = R.tree_mask(R.TokenTree(list(range(n)), [i - 1 for i in range(n)], list(range(n)), [], [list(range(n))]), n)
-    blocks = R.tree_blocks(chain[None])
-    assert 0.5 * n * n < sum(part.mask.numel() for part in blocks.parts) < 0.65 * n * n
-    assert torch.equal(_unblocked(blocks, n)[:n], chain)
-    assert R.tree_blocks(chain[None, :40, :40]) is None
+    assert R.tree_blocks(chain[None]) is None
 
 
 def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
