@@ -326,8 +326,8 @@ def tree_blocks(allowed: torch.Tensor) -> TreeBlocks | None:
 
 
 def _block_attention(query, key, value, blocks: TreeBlocks, *, dropout: float, scaling):
-    """Attention of the nodes of a batch of trees through `blocks`: query (B, H, T, D),
-    key/value (B, H_kv, T, D); returns (B, T, H, D)."""
+    """Attention of the nodes of a batch of trees through `blocks` (on a CPU): query
+    (B, H, T, D), key/value (B, H_kv, T, D); returns (B, T, H, D)."""
     b, h, t, d = query.shape
     hkv = key.shape[1]
     nb = len(blocks.order) // b
@@ -337,10 +337,8 @@ def _block_attention(query, key, value, blocks: TreeBlocks, *, dropout: float, s
     outs = []
     for part in blocks.parts:
         k, v = flat_k[part.cols].transpose(1, 2), flat_v[part.cols].transpose(1, 2)  # (n, H_kv, K, D)
-        if h != hkv and q.device.type != "cpu":  # CUDA's fused kernels take no mask with enable_gqa
-            k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
         outs.append(F.scaled_dot_product_attention(q[part.rows], k, v, attn_mask=part.mask, dropout_p=dropout,
-                                                   scale=scaling, enable_gqa=h != k.shape[1]))
+                                                   scale=scaling, enable_gqa=h != hkv))
     out = torch.cat(outs)[blocks.order]  # (B * nb, H, TREE_BLOCK, D)
     return out.view(b, nb, h, TREE_BLOCK, d).transpose(2, 3).reshape(b, nb * TREE_BLOCK, h, d)[:, :t].contiguous()
 
@@ -1012,7 +1010,8 @@ def score_trees(model, chunk, out, temperature, dev):
     add = torch.zeros((len(chunk), 1, width, width), dtype=dtype, device=dev).masked_fill_(~allowed[:, None],
                                                                                          torch.finfo(dtype).min)
     with grouped_kv_attention(model):
-        blocks = tree_blocks(allowed) if getattr(model.config, "_attn_implementation", None) == GQA_ATTENTION else None
+        on_cpu = torch.device(dev).type == "cpu"  # a GPU keeps the dense mask: blocks not measured there
+        blocks = tree_blocks(allowed) if on_cpu and _shares_prompts(model) else None
         rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted=wanted, targets=targets,
                                   temperature=temperature, tree_blocks=blocks)
     for i, e, ti, a, z in where:
