@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RL, SANDBOX, SFT, DATA = "tests/test_rl.py", "tests/test_sandbox.py", "tests/test_sft.py", "tests/test_data.py"
 GRAD = "tests/test_rl.py::test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss"
 DIST = "tests/test_distributed.py"
+BLOCKS = "tests/test_rollout.py::test_block_attention_scores_and_trains_as_the_dense_mask"
 
 # (name, file, old text, new text, tests that should catch it)
 MUTANTS = [
@@ -76,6 +77,10 @@ MUTANTS = [
      "found = rx.search(s, timeout=remaining)", "found = rx.search(s)", [SANDBOX]),
     ("split: a document changed since the split is still taken", "data.py",
      'if content_hash(d.text) != entries[d.id]["sha256"]:', "if False:", [DATA]),
+    ("tree blocks: a block reads every column it gathered, masked or not", "factual_tools/rollout.py",
+     "attn_mask=part.mask, dropout_p=dropout,", "attn_mask=None, dropout_p=dropout,", [BLOCKS]),
+    ("tree blocks: the parts' outputs left in part order", "factual_tools/rollout.py",
+     "out = torch.cat(outs)[blocks.order]", "out = torch.cat(outs)", [BLOCKS]),
 ]
 
 
