@@ -300,8 +300,8 @@ class TreeBlocks:
 def tree_blocks(allowed: torch.Tensor) -> TreeBlocks | None:
     """The block form of a batch of tree masks `allowed` (B, T, T), or None when it
     would skip less than half the dense mask's work (too little to pay for its gathers
-    and calls). A block's
-    key columns are rounded up to a multiple of 2 * TREE_BLOCK (few shapes, few calls)."""
+    and calls). A block's key columns are rounded up to a multiple of 2 * TREE_BLOCK
+    (few shapes, few calls)."""
     b, t, _ = allowed.shape
     nb = -(-t // TREE_BLOCK)
     rows = allowed.new_zeros((b, nb * TREE_BLOCK, t))
