@@ -310,6 +310,9 @@ def tool_processor(tokenizer, tools: str) -> TagBan | None:
 # ---------------------------------------------------------------------------
 
 
+WARM_UP_TOKENS = 16  # the latency's untimed warm-up: a whole summary of a looping policy took 20 s at batch 1
+
+
 def _rollouts(model, tok, docs, group: int, scfg, limits, *, ban, generator, what: str) -> list[sandbox.Episode]:
     """rollout.rollout with a progress bar named `what`."""
     return rollout.rollout(model, tok, docs, group, scfg, limits, logits_processor=ban, generator=generator,
@@ -405,7 +408,7 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
       averaged over documents. k > n is not estimable and reported as n/a.
     - Latency per summary (p50, p95, ms): wall clock of one document's whole
       episode (tools included) at batch 1, over `latency_docs` documents, after one
-      untimed warm-up; tokens/s over the same episodes.
+      short untimed warm-up; tokens/s over the same episodes.
     Metrics that cannot be computed (no calls, no oracle, no references) are NaN:
     null in eval.json, "n/a" in the report.
     """
@@ -430,8 +433,9 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     one = dataclasses.replace(greedy, batch_size=1)
     lat_docs = docs[:cfg.latency_docs]
     times, tokens = [], 0
-    if lat_docs:
-        rollout.rollout(model, tokenizer, lat_docs[:1], 1, one, limits, logits_processor=ban)  # warm-up
+    if lat_docs:  # the warm-up: kernels loaded, nothing timed
+        warm = dataclasses.replace(one, max_new_tokens=min(WARM_UP_TOKENS, one.max_new_tokens))
+        rollout.rollout(model, tokenizer, lat_docs[:1], 1, warm, limits, logits_processor=ban)
     for d in tqdm(lat_docs, desc="latency", unit="doc", leave=False):
         t0 = time.perf_counter()
         (ep,) = rollout.rollout(model, tokenizer, [d], 1, one, limits, logits_processor=ban)

@@ -297,6 +297,26 @@ def test_tag_ban_under_evaluate_with_tools_none():
     assert set(REQUIRED) <= set(m) and len(keep) == 1 and keep[0][3] is None
 
 
+def test_latency_times_whole_episodes_at_batch_1_after_a_short_warm_up(monkeypatch):
+    """The warm-up loads the kernels; it is not timed, so it writes a few tokens, not a
+    whole summary (on a looping policy that was a fifth of its evaluation)."""
+    model = tiny_llama(TOK, seed=2).eval()
+    docs = [data.Document(id=f"d{i}", text=DOC) for i in range(3)]
+    cfg = E.Config(tools="none", n_samples=0, max_new_tokens=40, latency_docs=2,
+                   reward=rewards.RewardConfig(factuality="lexical"))
+    calls, real = [], evaluation.rollout.rollout
+
+    def spy(model, tok, documents, group, scfg, *a, **k):
+        calls.append((len(documents), scfg.batch_size, scfg.max_new_tokens))
+        return real(model, tok, documents, group, scfg, *a, **k)
+
+    monkeypatch.setattr(evaluation.rollout, "rollout", spy)
+    evaluation.evaluate(model, TOK, docs, cfg)
+    single = [c for c in calls if c[1] == 1]
+    assert single == [(1, 1, evaluation.WARM_UP_TOKENS), (1, 1, 40), (1, 1, 40)], calls
+    assert evaluation.WARM_UP_TOKENS < 40
+
+
 # ---------------------------------------------------------------------------
 # The script end to end
 # ---------------------------------------------------------------------------
