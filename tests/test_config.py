@@ -729,6 +729,8 @@ def test_the_public_entry_points_named_in_the_design_note_exist():
     ["bench/rollout.py", "--presets", "tiny-1m", "--reps", "1", "--new-tokens", "32"],  # too short to delete
     ["bench/sandbox.py", "--calls", "50"],
     ["bench/rewards.py", "--docs", "5"],
+    ["bench/tree_attention.py", "--model", "tiny-1m", "--prompt", "32", "--group", "4", "--rollout", "60",
+     "--reps", "1"],
 ])
 def test_every_bench_runs_at_its_smallest_size_and_ends_with_a_json_line(argv):
     """A bench is a script nobody runs in the suite otherwise: a renamed import breaks it silently."""
