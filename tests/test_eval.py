@@ -299,7 +299,7 @@ def test_tag_ban_under_evaluate_with_tools_none():
 
 def test_latency_times_whole_episodes_at_batch_1_after_a_short_warm_up(monkeypatch):
     """The warm-up loads the kernels; it is not timed, so it writes a few tokens, not a
-    whole summary (on a looping policy that was a fifth of its evaluation)."""
+    whole summary."""
     model = tiny_llama(TOK, seed=2).eval()
     docs = [data.Document(id=f"d{i}", text=DOC) for i in range(3)]
     cfg = E.Config(tools="none", n_samples=0, max_new_tokens=40, latency_docs=2,
