@@ -276,6 +276,54 @@ def test_a_prefix_every_prompt_shares_is_computed_once_and_changes_nothing(model
         assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-5)
 
 
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+
+
+def test_width_groups_is_the_cheapest_partition_of_the_rows():
+    cost = lambda lens, groups, o: sum(o + len(g) * max(lens[i] for i in g) for g in groups)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        n = int(torch.randint(1, 7, (1,), generator=rng))
+        lens = torch.randint(1, 300, (n,), generator=rng).tolist()
+        for o in (0, 48, 400):
+            got = R.width_groups(lens, o)
+            assert sorted(i for g in got for i in g) == list(range(n))  # each row once
+            best = min(cost(lens, p, o) for p in _partitions(list(range(n))))
+            assert cost(lens, got, o) == best
+    assert R.width_groups([300, 5, 290, 6], None) == [[0, 1, 2, 3]]  # no split: one forward, in order
+    assert R.width_groups([300, 5, 290, 6], 48) == [[0, 2], [1, 3]]
+
+
+def test_a_prefill_of_unequal_prompts_splits_by_length_and_changes_nothing(model):
+    """On a CPU, prompts of very unequal lengths go through forwards of similar
+    lengths: fewer padded positions, the same logits and contexts."""
+    ids = TOK.encode(DOC) * 2
+    prompts = [ids[:40] + ids[40:200], ids[:40] + ids[50:52], ids[:40] + ids[60:210], ids[:40] + ids[70:73]]
+    batch = R._Batch(model, TOK.pad_token_id, record=True)
+    batch.prefill([R.Row(i, None) for i in range(4)], prompts)
+    assert batch.forward_tokens == 40 + 2 * 160 + 2 * 3  # not 40 + 4 * 160 in one forward
+    assert [batch.context(i) for i in range(4)] == prompts
+    for i, p in enumerate(prompts):
+        alone = R._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([R.Row(0, None)], [p])
+        assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-5)
+    batch.extend([[5, 6, 7, 8, 9, 10] * 20, [11], [12, 13], [14, 15] * 40])  # results blocks too
+    whole = [p + c for p, c in zip(prompts, [[5, 6, 7, 8, 9, 10] * 20, [11], [12, 13], [14, 15] * 40])]
+    assert [batch.context(i) for i in range(4)] == whole
+    for i, p in enumerate(whole):
+        alone = R._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([R.Row(0, None)], [p])
+        assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-4)
+
+
 def test_groups_keep_one_copy_of_their_prompt(model):
     """A prefill expanded to G rows keeps the prompt once per document; the rows'
     own slots hold only what they write after it."""
