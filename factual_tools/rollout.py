@@ -210,13 +210,17 @@ _REGISTERED: set[str] = set()
 
 
 def _attention(module, query, key, value, attention_mask, *, dropout: float = 0.0, scaling=None, is_causal=None,
-               ragged: "_RaggedCache | None" = None, tree_blocks: "TreeBlocks | None" = None, **kwargs):
+               ragged: "_RaggedCache | None" = None, tree_blocks: "TreeBlocks | None" = None,
+               prefix_chunks: list[int] | None = None, **kwargs):
     """transformers' attention-function signature: query (B, H, Q, D), key/value
     (B, H_kv, K, D), a 4D bool or additive mask; returns ((B, Q, H, D), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if tree_blocks is not None:
         return _block_attention(query, key, value, tree_blocks, dropout=dropout, scaling=scaling), None
+    if prefix_chunks is not None:
+        return _prefix_attention(query, key, value, attention_mask, prefix_chunks, dropout=dropout,
+                                 scaling=scaling), None
     if ragged is not None and ragged.pkeys is not None:
         return _ragged_attention(module, query, key, value, attention_mask, scaling=scaling, cache=ragged, **kwargs)
     if query.device.type != "cpu" or attention_mask is None or key.shape[1] == query.shape[1]:
@@ -324,6 +328,37 @@ def tree_blocks(allowed: torch.Tensor) -> TreeBlocks | None:
         mask = rows[idx].gather(2, c[:, None].expand(-1, TREE_BLOCK, w))
         parts.append(BlockPart(idx, c + offset[idx, None], mask[:, None]))
     return TreeBlocks(parts, torch.cat([p.rows for p in parts]).argsort())
+
+
+# A tree whose blocks would skip too little (an SFT episode: a chain or a few branches)
+# still never lets a node see a later one, so the queries of rows [s, e) need only the
+# keys [0, e). Its attention in query chunks of PREFIX_CHUNK, each against its key prefix
+# (slices, nothing gathered), does about half the dense mask's work: on a 727-node tree
+# forward and backward took 29.9 -> 20.7 ms (fp32, AVX2 kernels) and 28.6 -> 21.7 ms
+# (bf16), and attention was 30% of an SFT step of SmolLM2 (AVX2 kernels).
+PREFIX_CHUNK = 256
+
+
+def prefix_chunks(allowed: torch.Tensor) -> list[int] | None:
+    """The ends of the query chunks of a batch of masks `allowed` (B, T, T) when no
+    position sees a later one and there are at least two chunks; else None."""
+    t = allowed.shape[-1]
+    if t <= PREFIX_CHUNK or bool(allowed.triu(1).any()):
+        return None
+    return list(range(PREFIX_CHUNK, t, PREFIX_CHUNK)) + [t]
+
+
+def _prefix_attention(query, key, value, attention_mask, ends: list[int], *, dropout: float, scaling):
+    """Attention in query chunks, each against the keys up to its end (`prefix_chunks`):
+    query (B, H, T, D), key/value (B, H_kv, T, D); returns (B, T, H, D)."""
+    gqa = query.shape[1] != key.shape[1]
+    outs, s = [], 0
+    for e in ends:
+        outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, :e], value[:, :, :e],
+                                                   attn_mask=attention_mask[:, :, s:e, :e], dropout_p=dropout,
+                                                   scale=scaling, enable_gqa=gqa))
+        s = e
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
 
 
 def _block_attention(query, key, value, blocks: TreeBlocks, *, dropout: float, scaling):
@@ -1059,10 +1094,12 @@ def score_trees(model, chunk, out, temperature, dev):
     add = torch.zeros((len(chunk), 1, width, width), dtype=dtype, device=dev).masked_fill_(~allowed[:, None],
                                                                                          torch.finfo(dtype).min)
     with grouped_kv_attention(model):
-        on_cpu = torch.device(dev).type == "cpu"  # a GPU keeps the dense mask: blocks not measured there
-        blocks = tree_blocks(allowed) if on_cpu and _shares_prompts(model) else None
+        attention = {}
+        if torch.device(dev).type == "cpu" and _shares_prompts(model):  # a GPU keeps the dense mask: not measured
+            blocks = tree_blocks(allowed)
+            attention = {"tree_blocks": blocks} if blocks is not None else {"prefix_chunks": prefix_chunks(allowed)}
         rows = _selected_logprobs(model, ids.to(dev), add, pos.to(dev), wanted=wanted, targets=targets,
-                                  temperature=temperature, tree_blocks=blocks)
+                                  temperature=temperature, **attention)
     for i, e, ti, a, z in where:
         out[e][ti] = rows[i][a:z]
 

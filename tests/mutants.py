@@ -32,6 +32,8 @@ RL, SANDBOX, SFT, DATA = "tests/test_rl.py", "tests/test_sandbox.py", "tests/tes
 GRAD = "tests/test_rl.py::test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss"
 DIST = "tests/test_distributed.py"
 BLOCKS = "tests/test_rollout.py::test_block_attention_scores_and_trains_as_the_dense_mask"
+PREFIX = "tests/test_rollout.py::test_prefix_attention_scores_and_trains_as_the_dense_mask"
+WIDTHS = "tests/test_rollout.py::test_a_prefill_of_unequal_prompts_splits_by_length_and_changes_nothing"
 
 # (name, file, old text, new text, tests that should catch it)
 MUTANTS = [
@@ -81,6 +83,12 @@ MUTANTS = [
      "attn_mask=part.mask, dropout_p=dropout,", "attn_mask=None, dropout_p=dropout,", [BLOCKS]),
     ("tree blocks: the parts' outputs left in part order", "factual_tools/rollout.py",
      "out = torch.cat(outs)[blocks.order]", "out = torch.cat(outs)", [BLOCKS]),
+    ("prefix chunks: a chunk reads only its own keys, not the prefix before it", "factual_tools/rollout.py",
+     "query[:, :, s:e], key[:, :, :e], value[:, :, :e],", "query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],",
+     [PREFIX]),
+    ("width groups: a split forward's logits land on the wrong rows", "factual_tools/rollout.py",
+     "out[torch.tensor(part, device=self.dev)] = logits", "out[torch.tensor(sorted(part)[::-1], device=self.dev)] = logits",
+     [WIDTHS]),
 ]
 
 

@@ -173,6 +173,48 @@ def test_tree_blocks_attend_where_the_mask_allows_and_skip_the_rest():
     assert R.tree_blocks(chain[None]) is None
 
 
+def test_prefix_chunks_only_where_no_position_sees_a_later_one(monkeypatch):
+    monkeypatch.setattr(R, "PREFIX_CHUNK", 4)
+    chain = torch.ones(10, 10, dtype=torch.bool).tril()[None]
+    assert R.prefix_chunks(chain) == [4, 8, 10]
+    assert R.prefix_chunks(chain[:, :4, :4]) is None  # one chunk: nothing to skip
+    ahead = chain.clone()
+    ahead[0, 2, 7] = True  # position 2 sees position 7: its chunk would lose a key
+    assert R.prefix_chunks(ahead) is None
+
+
+def test_prefix_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
+    """Trees whose blocks skip too little (a few branches, as in SFT) are scored in query
+    chunks against their key prefixes: the same log-probs and gradient as the dense mask."""
+    eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=1)
+    assert sum(e.n_delete for e in eps) >= 1  # a tree, not only a chain
+    monkeypatch.setattr(R, "PREFIX_CHUNK", 16)
+    calls, real = [], R._prefix_attention
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "_prefix_attention", spy)
+    results = []
+    for chunked in (True, False):
+        if not chunked:
+            monkeypatch.setattr(R, "prefix_chunks", lambda allowed: None)
+        model.zero_grad()
+        calls.clear()
+        lps = R.episode_logprobs(model, eps)
+        (-sum(t.sum() for e in lps for t in e if t is not None)).backward()
+        results.append((lps, [p.grad.clone() for p in model.parameters()]))
+        assert bool(calls) == chunked
+    (a, ga), (b, gb) = results
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            assert (u is None and v is None) or torch.allclose(u, v, atol=1e-5)
+    for u, v in zip(ga, gb):
+        assert torch.allclose(u, v, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+
 def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
     """Group trees scored through their blocks: the same log-probs and the same gradient as
     through the dense (T, T) mask, and the block path is the one taken."""
