@@ -1,18 +1,24 @@
-"""Scoring an RL group's tree, forward and backward, with its attention in blocks against the dense tree mask.
+"""Scoring a tree, forward and backward, with the attention `rollout.score_trees` picks on a CPU
+against the dense tree mask.
 
     python bench/tree_attention.py [--model smollm2-135m] [--prompt 256] [--group 8] [--rollout 370] [--reps 3]
+    python bench/tree_attention.py --group 1 --rollout 480     # an SFT episode's shape
 
 The tree is an RL step's group as rl.py scores it: a `--prompt`-token prompt, then
 `--group` rollouts of `--rollout` nodes each (generated tokens and the search
 results injected between them), each with one retracted branch of a sixth of its
-length (a delete: the rollout goes on from where the branch started). Token ids are
-random; the attention's cost depends on the tree's shape only. The model is the
-preset or path given, with a rank-16 LoRA on every projection as in RL, and the
-CPU's autocast choice (`autocast: auto`). Both ways score the same tree with the
-same weights; repetitions are interleaved and the median kept. Prints the seconds
-of each, the speedup (target >= 1.5x on SmolLM2) and the largest log-prob
-difference (under bf16 autocast, beside bf16's own difference from fp32). The last
-line is one JSON object.
+length (a delete: the rollout goes on from where the branch started). With
+`--group 1` it is an SFT episode's shape. score_trees attends in blocks
+(`rollout.tree_blocks`) where they skip at least half the dense mask's work (a
+group), else in query chunks against their key prefixes (`rollout.prefix_chunks`:
+an SFT episode). Token ids are random; the attention's cost depends on the tree's
+shape only. The model is the preset or path given, with a rank-16 LoRA on every
+projection as in RL, and the CPU's autocast choice (`autocast: auto`). Both ways
+score the same tree with the same weights; repetitions are interleaved and the
+median kept. Prints the seconds of each, the speedup (target >= 1.5x for blocks on
+an RL group of SmolLM2, >= 1.1x for prefix chunks on an SFT episode) and the
+largest log-prob difference (under bf16 autocast, beside bf16's own difference
+from fp32). The last line is one JSON object.
 """
 import argparse
 import contextlib
@@ -86,26 +92,32 @@ def main():
     tree = group_tree(args.prompt, args.group, args.rollout, model.config.vocab_size)
     allowed = R.tree_mask(tree, len(tree.ids))[None]
     blocks = R.tree_blocks(allowed)
-    share = sum(p.mask.numel() for p in blocks.parts) / allowed.numel() if blocks is not None else 1.0
-    print(f"tree: {len(tree.ids)} nodes; the blocks compute {share:.0%} of the dense mask's attention")
-    real = R.tree_blocks
-    times, lps = {"blocks": [], "dense": []}, {}
+    if blocks is not None:
+        path, share = "blocks", sum(p.mask.numel() for p in blocks.parts) / allowed.numel()
+    else:
+        ends = R.prefix_chunks(allowed)
+        path = "prefix chunks" if ends else "dense"
+        share = sum((e - s) * e for s, e in zip([0] + ends[:-1], ends)) / allowed.numel() if ends else 1.0
+    print(f"tree: {len(tree.ids)} nodes; score_trees attends in {path}, {share:.0%} of the dense mask's attention")
+    real = R.tree_blocks, R.prefix_chunks
+    times, lps = {"ours": [], "dense": []}, {}
     for _ in range(args.reps + 1):  # the first round warms up
-        for way in ("blocks", "dense"):
-            R.tree_blocks = real if way == "blocks" else (lambda allowed: None)
+        for way in ("ours", "dense"):
+            R.tree_blocks, R.prefix_chunks = real if way == "ours" else (lambda allowed: None,) * 2
             amp = common.autocast(use_bf16, "cpu", model) if use_bf16 else contextlib.nullcontext()
             s, lps[way] = score(model, tree, args.group, amp)
             times[way].append(s)
-    blocks_s, dense_s = (statistics.median(times[w][1:]) for w in ("blocks", "dense"))
-    out = {"nodes": len(tree.ids), "block_share": share, "dense_s": dense_s, "blocks_s": blocks_s,
-           "speedup": dense_s / blocks_s, "max_abs_diff": (lps["blocks"] - lps["dense"]).abs().max().item()}
-    print(f"forward+backward: dense mask {dense_s:.2f} s, blocks {blocks_s:.2f} s: {out['speedup']:.2f}x "
-          f"(target >= 1.5x); largest log-prob difference {out['max_abs_diff']:.1e}")
+    ours_s, dense_s = (statistics.median(times[w][1:]) for w in ("ours", "dense"))
+    out = {"nodes": len(tree.ids), "path": path, "share": share, "dense_s": dense_s, "ours_s": ours_s,
+           "speedup": dense_s / ours_s, "max_abs_diff": (lps["ours"] - lps["dense"]).abs().max().item()}
+    print(f"forward+backward: dense mask {dense_s:.2f} s, {path} {ours_s:.2f} s: {out['speedup']:.2f}x "
+          f"(target >= 1.5x blocks, >= 1.1x prefix chunks); largest log-prob difference {out['max_abs_diff']:.1e}")
     if use_bf16:  # bf16's own rounding, for scale: the dense mask in fp32 against bf16
+        R.tree_blocks, R.prefix_chunks = (lambda allowed: None,) * 2
         out["bf16_vs_fp32_diff"] = (score(model, tree, args.group, contextlib.nullcontext())[1]
                                     - lps["dense"]).abs().max().item()
         print(f"  (bf16 against fp32, both dense: {out['bf16_vs_fp32_diff']:.1e})")
-    R.tree_blocks = real
+    R.tree_blocks, R.prefix_chunks = real
     print(json.dumps(out))
 
 

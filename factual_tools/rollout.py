@@ -542,9 +542,9 @@ SPLIT_OVERHEAD = 48  # positions
 
 def width_groups(lengths: Sequence[int], overhead: int | None) -> list[list[int]]:
     """The rows (indices into `lengths`) in the groups that minimise the sum over
-    forwards of `overhead` + rows x longest length, each group a run of the rows
-    sorted longest first (an exact partition: a run is optimal among those of the
-    same sizes). `overhead` None: one group, every row in order."""
+    forwards of `overhead` + rows x longest length. Some cheapest partition is made
+    of runs of the rows sorted longest first, so searching runs only is exact.
+    `overhead` None: one group, every row in order."""
     n = len(lengths)
     if overhead is None or n < 2:
         return [list(range(n))]

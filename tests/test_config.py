@@ -731,6 +731,9 @@ def test_the_public_entry_points_named_in_the_design_note_exist():
     ["bench/rewards.py", "--docs", "5"],
     ["bench/tree_attention.py", "--model", "tiny-1m", "--prompt", "32", "--group", "4", "--rollout", "60",
      "--reps", "1"],
+    ["bench/tree_attention.py", "--model", "tiny-1m", "--prompt", "32", "--group", "1", "--rollout", "300",
+     "--reps", "1"],  # an SFT episode's shape: prefix chunks
+    ["bench/prefill.py", "--model", "tiny-1m", "--docs", "8", "--reps", "1"],
 ])
 def test_every_bench_runs_at_its_smallest_size_and_ends_with_a_json_line(argv):
     """A bench is a script nobody runs in the suite otherwise: a renamed import breaks it silently."""
