@@ -560,7 +560,7 @@ def width_groups(lengths: Sequence[int], overhead: int | None) -> list[list[int]
     while j:
         groups.append(sorted(order[cut[j]:j]))
         j = cut[j]
-    return groups[::-1] if len(groups) > 1 else [list(range(n))]
+    return groups[::-1]
 
 
 def _common_prefix(contexts: list[list[int]]) -> int:

@@ -183,36 +183,45 @@ def test_prefix_chunks_only_where_no_position_sees_a_later_one(monkeypatch):
     assert R.prefix_chunks(ahead) is None
 
 
-def test_prefix_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
-    """Trees whose blocks skip too little (a few branches, as in SFT) are scored in query
-    chunks against their key prefixes: the same log-probs and gradient as the dense mask."""
-    eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=1)
-    assert sum(e.n_delete for e in eps) >= 1  # a tree, not only a chain
-    monkeypatch.setattr(R, "PREFIX_CHUNK", 16)
-    calls, real = [], R._prefix_attention
+def _scored_as_the_dense_mask(model, monkeypatch, path: str, chooser: str, score) -> list:
+    """Score and backpropagate through `score(model)` twice: with the attention path `path`
+    taken (checked with a spy), then with `chooser` returning None (the dense mask). Both
+    must give the same log-probs and gradients; returns the first log-probs."""
+    calls, real = [], getattr(R, path)
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(R, "_prefix_attention", spy)
+    monkeypatch.setattr(R, path, spy)
     results = []
-    for chunked in (True, False):
-        if not chunked:
-            monkeypatch.setattr(R, "prefix_chunks", lambda allowed: None)
+    for taken in (True, False):
+        if not taken:
+            monkeypatch.setattr(R, chooser, lambda allowed: None)
         model.zero_grad()
         calls.clear()
-        lps = R.episode_logprobs(model, eps)
+        lps = score(model)
         (-sum(t.sum() for e in lps for t in e if t is not None)).backward()
         results.append((lps, [p.grad.clone() for p in model.parameters()]))
-        assert bool(calls) == chunked
+        assert bool(calls) == taken
+    model.zero_grad()
     (a, ga), (b, gb) = results
     for x, y in zip(a, b):
         for u, v in zip(x, y):
             assert (u is None and v is None) or torch.allclose(u, v, atol=1e-5)
     for u, v in zip(ga, gb):
         assert torch.allclose(u, v, atol=1e-5, rtol=1e-4)
-    model.zero_grad()
+    return a
+
+
+def test_prefix_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
+    """Trees whose blocks skip too little (a few branches, as in SFT) are scored in query
+    chunks against their key prefixes: the same log-probs and gradient as the dense mask."""
+    eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=1)
+    assert sum(e.n_delete for e in eps) >= 1  # a tree, not only a chain
+    monkeypatch.setattr(R, "PREFIX_CHUNK", 16)
+    _scored_as_the_dense_mask(model, monkeypatch, "_prefix_attention", "prefix_chunks",
+                              lambda m: R.episode_logprobs(m, eps))
 
 
 def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
@@ -221,33 +230,11 @@ def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch)
     eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=6)
     assert sum(e.n_delete for e in eps) >= 4  # branches inside the rollouts too, not only between them
     monkeypatch.setattr(R, "TREE_BLOCK", 16)  # the tiny trees hold a few blocks of 16
-    calls, real = [], R._block_attention
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(R, "_block_attention", spy)
-    results = []
-    for blocks in (True, False):
-        if not blocks:
-            monkeypatch.setattr(R, "tree_blocks", lambda allowed: None)
-        model.zero_grad()
-        calls.clear()
-        lps = R.group_logprobs(model, eps, group_size=6)
-        (-sum(t.sum() for e in lps for t in e)).backward()
-        results.append((lps, [p.grad.clone() for p in model.parameters()]))
-        assert bool(calls) == blocks
-    (a, ga), (b, gb) = results
-    for x, y in zip(a, b):
-        for u, v in zip(x, y):
-            assert torch.allclose(u, v, atol=1e-5)
-    for u, v in zip(ga, gb):
-        assert torch.allclose(u, v, atol=1e-5, rtol=1e-4)
+    a = _scored_as_the_dense_mask(model, monkeypatch, "_block_attention", "tree_blocks",
+                                  lambda m: R.group_logprobs(m, eps, group_size=6))
     for e, ep in enumerate(eps):  # and both are the sampler's
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(a[e][ti].detach(), torch.tensor(t.logprobs), atol=1e-4)
-    model.zero_grad()
 
 
 def test_logprobs_are_differentiable(model):
