@@ -58,6 +58,10 @@ class DataConfig:
     # With generate: the split of data.docs. Generated documents that near-duplicate its
     # eval or never-touch pools are skipped (data.LeakGuard); its eval pool is the held-out set.
     split: str = ""
+    # The tool-free control: every training and eval episode becomes its final summary alone
+    # (the text that survives its deletes: no tool call, no results, no retracted text), on the
+    # same document; episodes whose final summary is empty are dropped (`strip_tools`).
+    strip_tools: bool = False
 
 
 @dataclass
@@ -167,6 +171,12 @@ class Config:
             raise settings.ConfigError(f"decision_weight={self.decision_weight}: must be >= 0 (1 is plain SFT)")
         if self.log_every < 1:
             raise settings.ConfigError(f"log_every={self.log_every}: must be >= 1")
+        if self.data.strip_tools and self.data.generate:
+            raise settings.ConfigError("data.strip_tools strips a trace corpus (data.train); the base stage "
+                                       "(data.generate) trains on tool-free reference summaries already")
+        if self.data.strip_tools and self.mode == "rejection":
+            raise settings.ConfigError("data.strip_tools with mode=rejection would mix a stripped corpus with the "
+                                       "policy's tool rollouts; strip_tools takes mode=sft, teacher or kto")
 
 
 # ---------------------------------------------------------------------------
@@ -291,11 +301,45 @@ def sample_eval(model, tokenizer, documents, cfg: Config) -> dict:
     return {f"eval_{k}": v for k, v in evaluation.greedy_eval(model, tokenizer, documents, ecfg)[0].items()}
 
 
+def summary_episode(document: str, summary: str, doc_id: str | None) -> sandbox.Episode:
+    """A tool-free episode of `document` whose one turn is `summary`."""
+    ep = sandbox.replay(document, summary)
+    ep.doc_id = doc_id
+    return ep
+
+
 def clean_episode(doc) -> sandbox.Episode:
     """A tool-free episode whose one turn is the document's reference summary."""
-    ep = sandbox.replay(doc.text, doc.summary)
-    ep.doc_id = doc.id
-    return ep
+    return summary_episode(doc.text, doc.summary, doc.id)
+
+
+def strip_tools(episodes) -> tuple[list[sandbox.Episode], int]:
+    """Each trace as a tool-free episode whose one turn is its final summary (`ep.summary`:
+    no tool call, no results, no retracted text), on the same document, doc_id and meta:
+    the corpus of the tool-free control. Returns (those episodes, how many were dropped
+    because their final summary is empty)."""
+    out = []
+    for ep in episodes:
+        if not ep.summary.strip():
+            continue
+        plain = summary_episode(ep.document, ep.summary, ep.doc_id)
+        if plain.calls or len(plain.turns) != 1:
+            raise ValueError(f"episode {ep.doc_id}: its final summary replays as {len(plain.turns)} turns "
+                             f"with {len(plain.calls)} tool calls, not one plain turn: {ep.summary[:80]!r}")
+        plain.meta = dict(ep.meta)
+        out.append(plain)
+    return out, len(episodes) - len(out)
+
+
+def stripped_corpus(train: list, held: list, tokenizer, mask_retracted: bool) -> tuple[list, list]:
+    """`strip_tools` on the training and eval episodes, with one line saying what remains."""
+    (train2, dropped), (held2, held_dropped) = strip_tools(train), strip_tools(held)
+    targets = lambda eps: sum(n_generated(e.tokenized(tokenizer), mask_retracted) for e in eps)  # noqa: E731
+    print(f"data.strip_tools: every episode is its final summary alone (no tool call, results or retracted text): "
+          f"{len(train)} -> {len(train2)} training episodes ({dropped} with an empty final summary dropped), "
+          f"{targets(train)} -> {targets(train2)} target tokens; {len(held)} -> {len(held2)} eval episodes "
+          f"({held_dropped} dropped)")
+    return train2, held2
 
 
 class WorldStream:
@@ -458,8 +502,12 @@ def main(cfg: Config) -> dict:
             raw = raw[:cfg.data.limit]
         if not raw:
             raise SystemExit(f"{cfg.data.train}: no training episodes")
-        train, skipped = tokenize_episodes(raw, tok, cfg.data.max_tokens)
         held = sandbox.read_episodes(cfg.data.eval) if cfg.data.eval and Path(cfg.data.eval).exists() else []
+        if cfg.data.strip_tools:
+            raw, held = stripped_corpus(raw, held, tok, cfg.mask_retracted)
+            if not raw:
+                raise SystemExit(f"{cfg.data.train}: every final summary is empty; nothing to train on stripped")
+        train, skipped = tokenize_episodes(raw, tok, cfg.data.max_tokens)
         held_eps, _ = tokenize_episodes(held, tok, cfg.data.max_tokens)
         docs = held_out_documents(held, cfg.data.docs, cfg.eval.n_docs)
         print(f"data: {len(train)} training episodes ({skipped} over {cfg.data.max_tokens} tokens skipped), "

@@ -3,6 +3,7 @@ learns the tool syntax, and exact resume."""
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,6 +325,28 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path
         assert torch.equal(a[k], b[k]), k
 
 
+def test_strip_tools_keeps_only_the_final_summary_of_each_trace(tiny):
+    """B+'s corpus: a trace that searched, read results, deleted and rewrote becomes one
+    tool-free turn, its final summary, on the same document; an empty one is dropped."""
+    text = (f"Globex fell 3% in May. {WRONG}<search>/Acme/</search><delete scope=\"sentence\"/> Acme rose 5%.")
+    trace = S.replay(MASK_DOC, text)
+    trace.doc_id, trace.meta = "d7", {"drafter": "oracle"}
+    assert trace.n_search == trace.n_delete == 1 and "<results>" in trace.text
+    empty = S.replay(MASK_DOC, f'{WRONG}<delete scope="sentence"/>')
+    assert empty.summary == ""
+    (ep,), dropped = sft.strip_tools([trace, empty])
+    assert dropped == 1
+    assert len(ep.turns) == 1 and not ep.calls and ep.valid
+    assert ep.text == ep.summary == trace.summary == "Globex fell 3% in May. Acme rose 5%."
+    assert (ep.document, ep.doc_id, ep.meta) == (MASK_DOC, "d7", {"drafter": "oracle"})
+    assert not any(w in ep.text for w in ("<search", "<results", "<delete", "Zanzibar"))
+    tok = modeling.load_tokenizer(tiny)
+    before, after = trace.tokenized(tok), ep.tokenized(tok)
+    assert sft.n_generated(after) < sft.n_generated(before, mask_retracted=True) < sft.n_generated(before)
+    assert after.turns[0].ended == "eos" and len(after.branches()) == 1
+    S.check_branches(after, after.branches(), tok)
+
+
 def test_the_base_stage_names_the_missing_documents_and_how_to_make_them(tmp_path):
     cfg = sft.DataConfig(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
     with pytest.raises(SystemExit, match=r"docs.jsonl .*python -m newsworld generate .*python data.py split"):
@@ -381,9 +404,10 @@ def test_teacher_corpus_keeps_only_valid_passing_episodes(tmp_path):
         sft.teacher_corpus([wrong], cfg)
 
 
-def test_rejection_and_teacher_modes_train_on_what_they_say(tiny, traces, tmp_path, monkeypatch):
+def test_rejection_teacher_and_stripped_corpora_train_on_what_they_say(tiny, traces, tmp_path, monkeypatch, capsys):
     """mode=rejection: the trained corpus is the whole base plus passing rollouts;
-    mode=teacher: only the passing teacher episodes, bucket-balanced."""
+    mode=teacher: only the passing teacher episodes, bucket-balanced; data.strip_tools:
+    every training and eval episode is its trace's final summary alone."""
     seen = {}
 
     def spy_validate(train, tok, n, seed=0, mask_retracted=False):
@@ -417,6 +441,23 @@ def test_rejection_and_teacher_modes_train_on_what_they_say(tiny, traces, tmp_pa
     for e in kept:
         buckets[sft.bucket_of(e, "tools")] = buckets.get(sft.bucket_of(e, "tools"), 0) + 1
     assert len(seen["train"]) == max(buckets.values()) * len(buckets)
+
+    held = S.read_episodes(str(traces / "eval.jsonl"))
+    real_eval_loss = sft.eval_loss
+    monkeypatch.setattr(sft, "eval_loss", lambda model, eps, *a, **k: seen.update(held=list(eps))
+                        or real_eval_loss(model, eps, *a, **k))
+    cfg = cfg_for(tiny, traces, tmp_path / "strip", epochs=0.01, save_every=0)
+    cfg.data.strip_tools = True
+    cfg.eval.max_new_tokens = 8
+    capsys.readouterr()
+    out = sft.main(cfg)
+    for got, want in ((seen["train"], base), (seen["held"], held)):
+        assert [(e.doc_id, e.text) for e in got] == [(e.doc_id, e.summary) for e in want if e.summary]
+        assert all(len(e.turns) == 1 and not e.calls and e.has_ids for e in got)
+    assert any(e.calls for e in base) and math.isfinite(out["eval_loss"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data.strip_tools"))
+    before, after = map(int, re.search(r"(\d+) -> (\d+) target tokens", line).groups())
+    assert f"{len(base)} -> {len(seen['train'])} training episodes" in line and after < before
 
 
 # --- KTO -------------------------------------------------------------------------------
