@@ -80,6 +80,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sampling: rollout.SamplingConfig = field(default_factory=rollout.SamplingConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
+    # Decode-time tool ban, as eval.py's `tools` (evaluation.TOOLS_BANNED): "none" keeps <search and
+    # <delete out of every rollout and held-out episode (the tool-free control); the reward is unchanged
+    tools: Literal["all", "no_search", "no_delete", "none"] = "all"
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
@@ -130,6 +133,10 @@ class Config:
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0 and self.tis_cap > 0):
             raise settings.ConfigError("need 0 <= clip_low < 1, clip_high >= 0, beta >= 0, tis_cap > 0")
         modeling.check_score_method(self.model.backend, self.score_method)
+        if self.tools != "all" and self.sampling.backend not in ("hf", "hf_naive"):
+            raise settings.ConfigError(f"tools={self.tools} bans tool tags with a logits processor, which only the "
+                                       f"hf and hf_naive samplers take, not sampling.backend="
+                                       f"{self.sampling.backend}: set sampling.backend=hf, or tools=all")
 
 
 # ---------------------------------------------------------------------------
@@ -374,6 +381,7 @@ class Trainer:
     samples: common.MetricsWriter | None
     limits: sandbox.Limits
     step: int = 0
+    ban: Any = None  # the decode-time tool ban (evaluation.TagBan); None when every tool is allowed
 
     @property
     def vllm(self) -> bool:
@@ -450,7 +458,11 @@ def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
         print(f"curriculum: tau {scorer.curriculum.tau}")
     samples = common.MetricsWriter(run.dir / "samples.jsonl") if dist.main else None
     t = Trainer(cfg, dist, run, model, tok, lambda: common.autocast(bf16, dev_type, model), params, opt, sched,
-                scorer, gen, train_docs, eval_docs, teacher, ref_copy, samples, sandbox.Limits.make(**cfg.limits), step)
+                scorer, gen, train_docs, eval_docs, teacher, ref_copy, samples, sandbox.Limits.make(**cfg.limits), step,
+                ban=evaluation.tool_processor(tok, cfg.tools))
+    if t.ban is not None:
+        print(f"tools={cfg.tools}: {', '.join(evaluation.TOOLS_BANNED[cfg.tools])} banned at decode time "
+              "(rollouts and held-out evaluation)")
     if cfg.eval.keep_best and not eval_docs:
         raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
     if cfg.eval.keep_best and step == 0 and t.best_json.exists() and dist.main:
@@ -468,18 +480,20 @@ def sample(t: Trainer, documents, group: int, scfg: rollout.SamplingConfig, gene
         lora_request = t.model.load_lora(str(t.run.dir / "vllm_lora"), load_tensors=True)
         return rollout.rollout_vllm(t.model.vllm_engine, t.tok, documents, group, scfg, t.limits,
                                     lora_request=lora_request)
+    ban = {"logits_processor": t.ban} if t.ban is not None else {}  # the tool ban (Config.tools) when set
     with t.amp():
-        return rollout.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator)
+        return rollout.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator, **ban)
 
 
 def evaluate(t: Trainer) -> dict:
-    """The greedy held-out evaluation (evaluation.greedy_eval) under this run's sampler and sandbox
-    limits, scored by the configured reward (pass at the first tau, so evaluations compare across
+    """The greedy held-out evaluation (evaluation.greedy_eval) under this run's sampler, tool ban and
+    sandbox limits, scored by the configured reward (pass at the first tau, so evaluations compare across
     the curriculum); logged, and kept as best/ when `eval.keep_best` improved."""
     cfg = t.cfg
     ecfg = evaluation.Config(reward=dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality
                                                         or cfg.reward.factuality),
-                             limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+                             limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed,
+                             tools=cfg.tools)
     greedy = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
     figures = evaluation.greedy_eval(t.model, t.tok, t.eval_docs, ecfg, generate=lambda docs: sample(
         t, docs, 1, greedy, rollout.make_generator(cfg.seed, t.model)))[0]

@@ -566,6 +566,52 @@ def test_vllm_path_refreshes_the_adapter_and_corrects_the_sampler_mismatch(polic
             backend="vllm", max_new_tokens=16)), reward_fn=spread_reward)
 
 
+def pushed_to_tools(monkeypatch):
+    """Rollouts of a policy pushed to write SCRIPTS (searches and deletes, row by row);
+    the logits processor rl.py passes (its tool ban) acts after the push."""
+    real = R.rollout
+
+    def pushed(model, tok, documents, group, scfg, limits, generator=None, logits_processor=None):
+        push = R.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
+        both = push if logits_processor is None else lambda rows, logits: logits_processor(rows, push(rows, logits))
+        return real(model, tok, documents, group, scfg, limits, generator=generator, logits_processor=both)
+
+    monkeypatch.setattr(R, "rollout", pushed)
+
+
+@pytest.mark.parametrize("tools", ["all", "none", "no_search"])
+def test_the_tools_setting_bans_tool_calls_from_rollouts_and_the_held_out_evaluation(policy, docs, tmp_path,
+                                                                                      monkeypatch, tools):
+    """tools=none (the tool-free control): however hard the policy is pushed toward its tools,
+    no rollout of a step and no held-out episode opens <search or <delete; the reward and the
+    update run as usual. tools=all lets the same push through; no_search bans searches only."""
+    pushed_to_tools(monkeypatch)
+    seen = []
+
+    def reward(documents, episodes):
+        seen.extend(episodes)
+        return spread_reward(documents, episodes)
+
+    cfg = config(policy, docs, tmp_path, steps=1, save_every=0, tools=tools, sampling=R.SamplingConfig(
+        max_new_tokens=120))
+    cfg.data.eval = docs
+    cfg.eval = rl.EvalConfig(every=0, n_docs=2, sample_every=0, max_new_tokens=120)
+    out = rl.main(cfg, reward_fn=reward)
+    assert len(seen) == 8 and all(e.summary.strip() for e in seen)
+    searches, deletes = sum(e.n_search for e in seen), sum(e.n_delete for e in seen)
+    texts = "".join(e.text for e in seen)
+    ev = out["eval"]
+    if tools == "all":
+        assert searches and deletes and ev["eval_searches"] > 0 and ev["eval_deletes"] > 0
+    elif tools == "none":
+        assert searches == deletes == 0 and "<search" not in texts and "<delete" not in texts
+        assert ev["eval_searches"] == ev["eval_deletes"] == 0 and out["history"][0]["search"] == 0
+    else:
+        assert searches == 0 and deletes > 0 and "<search" not in texts and ev["eval_searches"] == 0
+    saved = settings.load_config(rl.Config, ["--config", str(tmp_path / "t" / "config.yaml")])
+    assert saved.tools == tools
+
+
 # ---------------------------------------------------------------------------
 # Configs and the plan
 # ---------------------------------------------------------------------------
@@ -617,6 +663,14 @@ def test_v17_v18_v19_step_by_step():
     for v in (v17, v18, v19):
         assert v["model.backend"] == "unsloth" and v["model.fast_inference"] and v["sampling.backend"] == "vllm"
         assert v["model.quant"] == "4bit" and v["reward.factuality"] == "fenice"
+
+
+def test_the_tools_setting_names_a_bad_value_and_a_sampler_that_cannot_ban():
+    with pytest.raises(settings.ConfigError, match=r"'tools'.*'all', 'no_search', 'no_delete', 'none'.*'nonee'"):
+        load("tiny.yaml", "tools=nonee")
+    assert load("tiny.yaml", "tools=none").tools == "none" and load("tiny.yaml").tools == "all"
+    with pytest.raises(settings.ConfigError, match=r"tools=none.*sampling.backend=vllm"):
+        load("drgrpo_v19.yaml", "tools=none")  # vLLM takes no logits processor here
 
 
 def test_plan_prints_the_components_and_v19_fits_24_gb_without_loading_anything():
