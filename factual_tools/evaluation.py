@@ -1,7 +1,8 @@
 """Evaluation shared by eval.py, the trainers' held-out passes, distillation and serving.
 
 - Metrics: ROUGE, pass@k, the oracle's error counts and fact precision on the news
-  world, tool-use figures and the tool-decision AUC (`evaluate`'s docstring defines each).
+  world, tool-use figures and the tool-decision AUC (`evaluate`'s docstring defines each),
+  and figures that need no fact table, for any article (`oracle_free_metrics`).
 - Decoding: greedy and sampled episodes with the sandbox in the loop, with the
   decode-time tool bans of the ablations (`TagBan`).
 - Loading: trained model directories and the held-out documents of a split.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from tqdm import tqdm
 import data
 import rewards
 import sandbox
-from factual_tools import common, modeling, rollout, settings, textsplit
+from factual_tools import claims, common, modeling, rollout, settings, textsplit
 
 TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
                 "none": ("<search", "</search", "<delete")}
@@ -246,6 +248,135 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
     return out
 
 
+# ---------------------------------------------------------------------------
+# Oracle-free figures: text in, numbers out, for any article (real news included)
+# ---------------------------------------------------------------------------
+
+ORACLE_FREE = ("len_words", "copied_sentences", "single_copy_rate", "loop_rate", "limit_rate", "unsupported_numbers",
+               "unsupported_fact_rate")  # the figures `greedy_eval` reports without a fact table
+# Tool markup and what it encloses (a query, a results block), complete or cut off by the end of
+# the text: none of it is prose the policy wrote.
+TOOL_MARKUP = re.compile(r"<(search|results)\b[^<>]*>.*?(?:</\1\s*>|\Z)|</?\s*(?:search|results|delete|error)\b[^<>]*>",
+                         re.S)
+
+
+def normalise_sentence(sentence: str) -> str:
+    """A sentence as the oracle-free figures compare it: case-folded, whitespace runs one space."""
+    return " ".join(sentence.split()).casefold()
+
+
+def copied_flags(article: str, summary: str) -> list[bool]:
+    """For each sentence of `summary` (`textsplit.split_sentences`): does it stand verbatim in
+    `article`? Both normalised (`normalise_sentence`), the sentence must occur in the article
+    as a span that starts and ends on word boundaries ("evenue fell." is not a copy of
+    "Revenue fell."). A verbatim tail of a longer article sentence counts as copied."""
+    art = normalise_sentence(article)
+    return [re.search(rf"(?<!\w){re.escape(normalise_sentence(s))}(?!\w)", art) is not None
+            for s in textsplit.split_sentences(summary)]
+
+
+def single_copy(article: str, summary: str) -> bool:
+    """Is `summary` one article sentence copied whole: all its sentences the same normalised
+    sentence (once, or repeated), and that sentence copied (`copied_flags`)? False when empty."""
+    sentences = {normalise_sentence(s) for s in textsplit.split_sentences(summary)}
+    return len(sentences) == 1 and all(copied_flags(article, summary))
+
+
+def written_sentences(ep: sandbox.Episode) -> list[str]:
+    """The sentences the policy wrote over all turns, in order, retracted ones included:
+    each turn's text without its call and without any other tool markup (`TOOL_MARKUP`),
+    split on its own (a call ends a turn, so no sentence runs across one)."""
+    out = []
+    for t in ep.turns:
+        c = t.call
+        prose = t.text[:c.start] + " " + t.text[c.end:] if c is not None else t.text
+        out += textsplit.split_sentences(TOOL_MARKUP.sub(" ", prose))
+    return out
+
+
+def repeats_sentence(sentences: Sequence[str]) -> bool:
+    """Does some normalised sentence come twice or more? Sentences without a word
+    (stray punctuation) are left out."""
+    keys = [normalise_sentence(s) for s in sentences if textsplit.words(s)]
+    return len(set(keys)) < len(keys)
+
+
+def loops(ep: sandbox.Episode) -> bool:
+    """An episode loops when the same normalised sentence (`normalise_sentence`, sentences
+    with at least one word) comes twice or more in its final summary, or in what it wrote
+    over all turns, retracted text included (`written_sentences`). The second part catches
+    the search loop: a sentence written, searched, and written again from the results, with
+    or without a delete in between (writing the same sentence after deleting it changes
+    nothing either). A deleted sentence rewritten differently is no loop."""
+    return repeats_sentence(textsplit.split_sentences(ep.summary)) or repeats_sentence(written_sentences(ep))
+
+
+def stated_numbers(article: str, summary: str, rel_tol: float = 0.05) -> list[tuple[str, bool]]:
+    """(mention, supported) for each number `summary` states in digits (number words are left
+    out): plain numbers with thousands commas and decimals, percentages, money, years, dates
+    and times, parsed and normalised by `claims.numbers` ("4,200" = 4200, "12%" = "12 percent",
+    "$4.2 billion" = 4,200,000,000). Supported when the article states the same value
+    (`claims.num_sentences`: a bare article number supports money, "$4.2 billion" is backed by
+    "4.2 billion"; a value rounded at the summary's stated precision and within `rel_tol` is
+    the same value, as in the rewards' number rule)."""
+    doc = claims.document_info(article)
+    return [(n.text, bool(claims.num_sentences(doc, n, rel_tol)))
+            for n in claims.numbers(summary) if any(ch.isdigit() for ch in n.text)]
+
+
+def unsupported_names(article: str, summary: str) -> list[str]:
+    """The names of `summary` the article lacks, as written in the summary. Names are
+    `claims.summary_info`'s (runs of capitalised words, honorifics, months, weekdays and
+    sentence-initial common words left out). Conservative: a lone capitalised word opening
+    a sentence may be a plain word and is not judged; a name is unsupported when one of its
+    capitalised words, possessive 's and trailing periods stripped and stopwords ("The")
+    skipped, is not a case-sensitive substring of the article."""
+    out = []
+    for c in claims.summary_info(summary).claims:
+        for name in c.names:
+            if name.weak:
+                continue
+            span = c.text[name.start:name.end]
+            words = [re.sub(r"['’]s$", "", w).rstrip(".") for w in span.split()]
+            if any(w[:1].isupper() and w.lower() not in claims.STOPWORDS and w not in article for w in words):
+                out.append(span)
+    return out
+
+
+def oracle_free_metrics(articles: Sequence[str], episodes: Sequence[sandbox.Episode], rel_tol: float = 0.05
+                        ) -> dict[str, float]:
+    """Figures that need only the article text and the episodes (final summaries `ep.summary`):
+
+    - `copied_sentences`: the share of summary sentences that stand verbatim in the article
+      (`copied_flags`), pooled over the sentences of every summary;
+    - `single_copy_rate`: the share of summaries that are one copied article sentence, once or
+      repeated (`single_copy`);
+    - `loop_rate`: the share of episodes that loop (`loops`: a sentence repeated in the summary,
+      or written twice over the turns, retracted text included);
+    - `limit_rate`: the share of episodes that ran to the token limit (`flags["truncated"]`);
+    - `unsupported_numbers`: the share of the numbers stated in digits, pooled over every
+      summary, whose value the article does not state (`stated_numbers`, within `rel_tol`);
+    - `unsupported_fact_rate`: the share of summaries stating at least one unsupported number
+      or one name the article lacks (`unsupported_names`).
+
+    Every summary counts in the per-summary shares, an empty one included (it copies, loops
+    and misstates nothing). NaN where there is nothing to count: no episodes, no summary
+    sentence, no number stated."""
+    if len(articles) != len(episodes):
+        raise ValueError(f"{len(articles)} articles for {len(episodes)} episodes")
+    summaries = [e.summary for e in episodes]
+    numbers = [stated_numbers(a, s, rel_tol) for a, s in zip(articles, summaries)]
+    return {
+        "copied_sentences": common.mean(f for a, s in zip(articles, summaries) for f in copied_flags(a, s)),
+        "single_copy_rate": common.mean(single_copy(a, s) for a, s in zip(articles, summaries)),
+        "loop_rate": common.mean(loops(e) for e in episodes),
+        "limit_rate": common.mean(bool(e.flags.get("truncated")) for e in episodes),
+        "unsupported_numbers": common.mean(not ok for ns in numbers for _, ok in ns),
+        "unsupported_fact_rate": common.mean(any(not ok for _, ok in ns) or bool(unsupported_names(a, s))
+                                             for a, s, ns in zip(articles, summaries, numbers)),
+    }
+
+
 class TagBan:
     """`rollout.rollout` logits processor that keeps banned tag openings out of the text.
 
@@ -368,6 +499,7 @@ def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
     out["len_tokens"] = common.mean(sum(len(t.ids) for t in e.turns) for e in eps)  # generated, all turns
     out["len_words"] = common.mean(len(e.summary.split()) for e in eps)  # of the final summary
     out["emission"] = common.mean(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps)
+    out.update(oracle_free_metrics([claims.text_of(d) for d in docs], eps, cfg.reward.rules.number_rel_tolerance))
     return out, eps, scores, errors
 
 
@@ -403,6 +535,13 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     - Tool use: valid call rate (syntax), valid episode rate, searches and deletes
       per summary, and (news world) the share of deletes whose retracted text held
       an oracle error: the precision of the delete decision.
+    - Without a fact table (any article, real news included; `oracle_free_metrics`
+      defines each): `len_words` of the final summary, `copied_sentences` (the share of
+      summary sentences verbatim in the article), `single_copy_rate` (summaries that are one
+      copied sentence), `loop_rate` (a sentence repeated in the summary or written twice over
+      the turns), `limit_rate` (episodes that ran to the token limit), `unsupported_numbers`
+      (the share of numbers stated in digits whose value the article lacks) and
+      `unsupported_fact_rate` (summaries with an unsupported number or name).
     - pass@k, k in 1, 2, 4, 8: the unbiased estimator 1 - C(n-c, k) / C(n, k) of
       Chen et al. (2021) from `n_samples` rollouts per document at `temperature`,
       averaged over documents. k > n is not estimable and reported as n/a.

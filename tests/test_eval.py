@@ -27,7 +27,7 @@ TOK = bpe_tokenizer()
 REQUIRED = ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "total", "hallucination_rate", "errors_per_summary",
             "valid_call_rate", "valid_episode_rate", "searches", "deletes", "deletes_removing_error", "pass_at_1",
             "pass_at_2", "pass_at_4", "pass_at_8", "latency_p50_ms", "latency_p95_ms", "tok_s",
-            *[f"rule_{r}_pass" for r in rewards.RULES]]
+            *[f"rule_{r}_pass" for r in rewards.RULES], *evaluation.ORACLE_FREE]
 
 
 # ---------------------------------------------------------------------------
@@ -153,6 +153,109 @@ def test_fact_precision_counts_what_is_stated_and_the_share_that_states_nothing(
     assert 0.5 < m["fact_precision"] < 1.0  # one wrong number among what the two others state
     right = evaluation.news_world_metrics(docs[:2], eps[:2], [[], []])
     assert right["fact_precision"] == 1.0 and right["no_fact_rate"] == 0.5
+
+
+# ---------------------------------------------------------------------------
+# Oracle-free figures: any article with or without a fact table
+# ---------------------------------------------------------------------------
+
+ART = ("Acme Corp. cut 4200 jobs in Ohio, its chief Jane Doe said on Monday. "
+       "Revenue fell 12 percent to 4.2 billion. Shares of   Acme fell 3.5% in New York.")
+COPY = "Revenue fell 12 percent to 4.2 billion."
+
+
+def _ep(summary: str = "", **flags) -> S.Episode:
+    return S.Episode(document=ART, summary=summary, flags=flags)
+
+
+@pytest.mark.parametrize("summary, expected", [
+    (f"{COPY} Acme grew fast.", [True, False]),
+    ("REVENUE fell  12 percent\nto 4.2 billion.", [True]),          # case and whitespace do not count
+    ("Shares of Acme fell 3.5% in New York.", [True]),               # the article's own spaces either
+    ("cut 4200 jobs in Ohio, its chief Jane Doe said on Monday.", [True]),  # a verbatim tail is verbatim
+    ("evenue fell 12 percent to 4.2 billion.", [False]),             # a span must start on a word
+    ("Revenue fell 12 percent to 4.2 billion dollars.", [False]),
+    ("", []),
+])
+def test_copied_sentences_are_verbatim_spans_of_the_article(summary, expected):
+    assert evaluation.copied_flags(ART, summary) == expected
+
+
+@pytest.mark.parametrize("summary, single", [
+    (COPY, True), (f"{COPY} {COPY.upper()}", True),  # one copied sentence, repeated: still one sentence's text
+    (f"{COPY} Shares of Acme fell 3.5% in New York.", False), ("Revenue fell.", False),
+    ("Acme grew fast.", False), ("", False),
+])
+def test_single_copy_is_a_summary_made_of_one_copied_sentence(summary, single):
+    assert evaluation.single_copy(ART, summary) is single
+
+
+@pytest.mark.parametrize("text, loops", [
+    ("Acme cut jobs. Revenue fell.", False),
+    ("Acme cut jobs. Revenue fell. ACME cut  jobs.", True),                         # the summary repeats
+    ("Acme cut jobs.<search>Acme cut jobs</search> Acme cut jobs.", True),            # wrote the result again
+    ('Acme cut jobs.<search>Acme cut jobs</search><delete scope="sentence"/> Acme cut jobs.', True),  # retracted
+    ('Acme cut 900 jobs.<search>Acme cut</search><delete scope="sentence"/> Acme cut 4200 jobs.', False),
+    ("Acme cut jobs. <search>Revenue fell. Acme cut jobs.", False),   # a dangling query is not prose
+    ("Acme cut jobs. . .", False),                     # punctuation alone is no sentence
+])
+def test_an_episode_loops_when_a_sentence_it_wrote_comes_twice(text, loops):
+    ep = S.replay(ART, text)
+    assert evaluation.loops(ep) is loops, (evaluation.written_sentences(ep), ep.summary)
+
+
+def test_written_sentences_keep_retracted_text_and_drop_tool_markup():
+    ep = S.replay(ART, 'Acme cut 900 jobs.<search>Acme cut</search><delete scope="sentence"/> Acme cut 4200 jobs.')
+    assert ep.summary == "Acme cut 4200 jobs."
+    assert evaluation.written_sentences(ep) == ["Acme cut 900 jobs.", "Acme cut 4200 jobs."]
+    ep = S.replay(ART, "Acme cut jobs.<results>Revenue fell.</results> It grew.<search>Revenue fell. It grew")
+    assert evaluation.written_sentences(ep) == ["Acme cut jobs.", "It grew."]  # stray results, a dangling query
+
+
+def test_stated_numbers_match_the_article_by_value():
+    got = evaluation.stated_numbers(ART, "Acme cut 4,200 jobs; revenue fell 12% to $4.2 billion and shares fell 5%. "
+                                         "It has five plants.")  # number words are not counted
+    assert got == [("4,200", True), ("12%", True), ("$4.2 billion", True), ("5%", False)]
+    assert evaluation.stated_numbers(ART, "Shares fell 3.5 percent, not 35%.") == [("3.5 percent", True),
+                                                                                     ("35%", False)]
+    assert evaluation.stated_numbers(ART, "") == []
+
+
+def test_unsupported_names_are_capitalised_words_the_article_lacks():
+    assert evaluation.unsupported_names(ART, "Acme's chief Jane Doe said Globex cut jobs in Ohio.") == ["Globex"]
+    assert evaluation.unsupported_names(ART, "Mr. Smith said the U.S. Deal fell.") == ["Smith", "U.S. Deal"]
+    assert evaluation.unsupported_names(ART, "Shares of Acme fell in New York on Monday.") == []
+    assert evaluation.unsupported_names(ART, "Jane Doe said Acme’s jobs went.") == []  # a possessive is the name
+    assert evaluation.unsupported_names(ART, 'Jane Doe said: "In Ohio we cut jobs."') == []  # "In" is no name word
+    # conservative: a lone sentence-initial word may be a plain word, so it is not judged
+    assert evaluation.unsupported_names(ART, "Globex cut jobs.") == []
+    assert evaluation.unsupported_names(ART, "jane doe said so.") == []  # no capitalised span, no name
+
+
+def test_oracle_free_metrics_pool_sentences_and_numbers_and_count_summaries():
+    eps = [_ep(f"{COPY} Acme grew fast."),                 # 1 of 2 sentences copied; numbers supported
+           _ep(COPY, truncated=True),                      # a single copy, ran to the token limit
+           _ep("Acme cut 5,000 jobs, 12 percent. Acme cut 5,000 jobs, 12 percent."),  # unsupported numbers, a loop
+           _ep("Acme's chief Jane Doe told Globex she quit."),  # an unsupported name
+           _ep("")]
+    m = evaluation.oracle_free_metrics([ART] * 5, eps)
+    assert set(m) == set(evaluation.ORACLE_FREE) - {"len_words"}
+    assert m["copied_sentences"] == pytest.approx(2 / 6)  # pooled over sentences, not a mean of per-summary shares
+    assert m["single_copy_rate"] == pytest.approx(1 / 5)
+    assert m["loop_rate"] == pytest.approx(1 / 5) and m["limit_rate"] == pytest.approx(1 / 5)
+    # numbers: 12 and 4.2 billion twice, then 5,000 and 12 twice: pooled, not a mean of per-summary shares
+    assert m["unsupported_numbers"] == pytest.approx(2 / 8)
+    assert m["unsupported_fact_rate"] == pytest.approx(2 / 5)
+
+
+def test_oracle_free_metrics_are_nan_where_nothing_is_stated():
+    m = evaluation.oracle_free_metrics([ART, ART], [_ep(""), _ep("Acme cut five jobs.")])
+    assert math.isnan(m["unsupported_numbers"])  # no number stated: no share
+    assert m["unsupported_fact_rate"] == 0.0 and m["single_copy_rate"] == 0.0 and m["copied_sentences"] == 0.0
+    assert all(math.isnan(v) for v in evaluation.oracle_free_metrics([], []).values())
+    assert math.isnan(evaluation.oracle_free_metrics([ART], [_ep("")])["copied_sentences"])  # no sentence
+    with pytest.raises(ValueError, match="articles"):
+        evaluation.oracle_free_metrics([ART], [])
 
 
 @pytest.mark.parametrize("pos, neg, expected", [
@@ -295,6 +398,10 @@ def test_tag_ban_under_evaluate_with_tools_none():
     assert math.isnan(m["rouge1"]) and math.isnan(m["deletes_removing_error"])  # no reference, no oracle
     assert math.isnan(m["pass_at_4"]) and 0 <= m["pass_at_2"] <= 1
     assert set(REQUIRED) <= set(m) and len(keep) == 1 and keep[0][3] is None
+    ep = keep[0][1]  # the oracle-free figures are the greedy episode's
+    assert m["limit_rate"] == float(bool(ep.flags.get("truncated"))) and m["loop_rate"] == float(evaluation.loops(ep))
+    assert m["single_copy_rate"] == float(evaluation.single_copy(DOC, ep.summary))
+    assert all(0 <= m[k] <= 1 or math.isnan(m[k]) for k in evaluation.ORACLE_FREE if k != "len_words")
 
 
 def test_latency_times_whole_episodes_at_batch_1_after_a_short_warm_up(monkeypatch):
@@ -345,10 +452,12 @@ def world(tmp_path_factory):
     return root, manifest
 
 
-def test_main_writes_every_metric_report_plots_and_samples(world):
+def test_main_writes_every_metric_report_plots_and_samples(world, capsys):
     root, manifest = world
     cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=one"])
     E.main(cfg)
+    printed = capsys.readouterr().out
+    assert all(f"{k} " in printed for k in evaluation.ORACLE_FREE)  # the model's line shows them
     out = root / "runs" / "one"
     got = json.loads((out / "eval.json").read_text())
     assert [x["model"] for x in got["models"]] == [cfg.model]
@@ -362,6 +471,8 @@ def test_main_writes_every_metric_report_plots_and_samples(world):
     assert 0 <= m["hallucination_rate"] <= 1 and m["latency_p95_ms"] >= m["latency_p50_ms"] > 0
     report = (out / "report.md").read_text()
     assert "| model | rouge1 |" in report and "n/a" in report and rewards.BACKEND_NAMES["oracle"] in report
+    quality = report.split("## Quality")[1].split("##")[0]
+    assert all(f" {k} |" in quality for k in evaluation.ORACLE_FREE)
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (out / "samples.html").read_text()
     assert html.count("class='trace'") == 2  # html_samples per model
