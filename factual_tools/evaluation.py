@@ -337,7 +337,7 @@ def unsupported_names(article: str, summary: str) -> list[str]:
             if name.weak:
                 continue
             span = c.text[name.start:name.end]
-            words = [re.sub(r"['’]s$", "", w).rstrip(".") for w in span.split()]
+            words = [re.sub(r"['’]s$", "", w.rstrip(".")) for w in span.split()]
             if any(w[:1].isupper() and w.lower() not in claims.STOPWORDS and w not in article for w in words):
                 out.append(span)
     return out

@@ -226,6 +226,7 @@ def test_unsupported_names_are_capitalised_words_the_article_lacks():
     assert evaluation.unsupported_names(ART, "Mr. Smith said the U.S. Deal fell.") == ["Smith", "U.S. Deal"]
     assert evaluation.unsupported_names(ART, "Shares of Acme fell in New York on Monday.") == []
     assert evaluation.unsupported_names(ART, "Jane Doe said Acme’s jobs went.") == []  # a possessive is the name
+    assert evaluation.unsupported_names(ART, "The jobs were Acme's.") == []  # before the full stop too
     assert evaluation.unsupported_names(ART, 'Jane Doe said: "In Ohio we cut jobs."') == []  # "In" is no name word
     # conservative: a lone sentence-initial word may be a plain word, so it is not judged
     assert evaluation.unsupported_names(ART, "Globex cut jobs.") == []
