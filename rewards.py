@@ -154,6 +154,11 @@ class RewardConfig:
     # The oracle's unit: "sentence", the share of summary sentences with no error;
     # "fact", the share of stated names, numbers and dates it supports (fact precision).
     oracle_unit: Literal["sentence", "fact"] = "sentence"
+    # F times key-fact coverage: the share of the document's key facts (those its reference
+    # states) that the summary states right. Every backend scores precision, so a summary
+    # stating one key fact of four right scores 1.0 without it. Needs news world documents
+    # (their fact tables mark the key facts).
+    coverage: bool = False
     w_factuality: float = 0.7  # w_f
     w_rules: float = 0.3  # w_r
     # Added when the summary passes (F >= the curriculum's tau and every rule), so tau acts
@@ -842,6 +847,19 @@ class Scorer:
             return out
         raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, support, learned, oracle)")
 
+    @staticmethod
+    def coverage(docs: list, summaries: list, cfg: RewardConfig) -> list[float | None]:
+        """Key-fact coverage per summary under `cfg.coverage` (None per summary without it)."""
+        if not cfg.coverage:
+            return [None] * len(docs)
+        from newsworld import oracle  # the key facts are the news world's fact table's
+
+        for d in docs:
+            if not getattr(d, "facts", None):
+                raise ValueError("reward.coverage needs news world documents with a fact table; "
+                                 f"document {getattr(d, 'id', '?')!r} has none (set reward.coverage=false)")
+        return [oracle.key_fact_coverage(d, s.text) for d, s in zip(docs, summaries)]
+
     def score_batch(self, items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None,
                     teacher: dict | None = None) -> list[dict]:
         cfg = cfg or self.cfg
@@ -850,10 +868,12 @@ class Scorer:
         infos = [document_info(d, cfg) for d in docs]
         summaries = [summary_info(s, cfg) for _, s in items]
         facts = self.factuality(docs, summaries, infos, cfg)
+        coverage = self.coverage(docs, summaries, cfg)
         tau = self.curriculum.tau
         out = []
-        for (doc, ep), info, s, (f, claim_scores) in zip(items, infos, summaries, facts):
+        for (doc, ep), info, s, (f, claim_scores), cov in zip(items, infos, summaries, facts, coverage):
             f = min(1.0, max(0.0, float(f))) if math.isfinite(f) else 0.0
+            precision, f = f, f * (1.0 if cov is None else cov)
             rules = _rules(info, s, cfg.rules)
             scores = {k: r.score for k, r in rules.items()}
             passed = rules_pass(scores, cfg.rules)
@@ -870,6 +890,7 @@ class Scorer:
                      - cfg.tools.right_delete_penalty * n_right_del + cfg.tools.w_match * (match or 0.0))
             row = {"total": total, "pass": ok, "tau": tau, "gate": g,
                    "factuality": f, "factuality_backend": BACKEND_NAMES[cfg.factuality],
+                   "precision": precision, "coverage": cov,
                    "factuality_pass": f >= tau, "rules": rmean, "rules_pass": all(passed.values())}
             for k in RULES:
                 row[f"rule_{k}"] = scores[k]
@@ -914,7 +935,9 @@ def factuality_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None 
         summaries, infos = [summary_info(s, cfg) for _, s in items], [document_info(d, cfg) for d in docs]
     else:
         summaries, infos = [SummaryInfo(text_of(s), 0, [], [], []) for _, s in items], [None] * len(docs)
-    return [float(f) for f, _ in Scorer(cfg).factuality(docs, summaries, infos, cfg)]
+    facts = Scorer(cfg).factuality(docs, summaries, infos, cfg)
+    coverage = Scorer.coverage(docs, summaries, cfg)
+    return [float(f) * (1.0 if c is None else c) for (f, _), c in zip(facts, coverage)]
 
 
 def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None, scorer: Scorer | None = None,

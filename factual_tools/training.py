@@ -29,6 +29,7 @@ class DataConfig:
     split: str = "out/newsworld/split.json"  # leak-cluster manifest (`data.py split`); "" = no split
     generate: int = 0  # when `train` is missing: make this many news-world documents in memory (0 = error)
     world_seed: int = 0  # world seed of generated documents (generated eval documents use world_seed + 1)
+    task: str = "short"  # the news world's task of generated and fresh documents: short | long
     # > 0: train on this many freshly generated news-world documents of `fresh_seed`
     # instead of the split's train pool (held-out documents are still its eval pool).
     # The SFT corpus was drafted from the train pool and the policy half-remembers those
@@ -194,7 +195,7 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     if path.exists():
         docs, how = data.read_documents(cfg.train), f"{cfg.train}"
     elif cfg.generate:
-        docs = list(newsworld.documents(cfg.generate, seed=cfg.world_seed))
+        docs = list(newsworld.documents(cfg.generate, seed=cfg.world_seed, task=cfg.task))
         how = f"{cfg.train} missing: {cfg.generate} news-world documents generated in memory (seed {cfg.world_seed})"
     else:
         raise SystemExit(f"data.train={cfg.train}: no such file (write one with `python -m newsworld generate "
@@ -216,12 +217,12 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
                              "would be training documents")
         if cfg.validation:
             held, skipped = newsworld.fresh_documents(cfg.validation, cfg.validation_seed,
-                                                      data.held_out_guard(docs, manifest, cfg.split))
+                                                      data.held_out_guard(docs, manifest, cfg.split), cfg.task)
             how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
         if cfg.fresh:
             train, skipped = newsworld.fresh_documents(cfg.fresh, cfg.fresh_seed,
-                                                       data.held_out_guard(docs, manifest, cfg.split))
+                                                       data.held_out_guard(docs, manifest, cfg.split), cfg.task)
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped)")
     elif cfg.fresh or cfg.validation:
@@ -230,5 +231,5 @@ def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
     else:
         train = docs
         if held is None and not path.exists():
-            held = list(newsworld.documents(max(1, cfg.generate // 10), seed=cfg.world_seed + 1))
+            held = list(newsworld.documents(max(1, cfg.generate // 10), seed=cfg.world_seed + 1, task=cfg.task))
     return train, held or [], how

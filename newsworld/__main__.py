@@ -2,6 +2,7 @@
 
     python -m newsworld generate --n 1000 --seed 0 --out out/newsworld/docs.jsonl
     python -m newsworld generate --n 5 --seed 0            # to stdout
+    python -m newsworld generate --n 1000 --seed 0 --task long --out out/newsworld/long.jsonl
     python -m newsworld stats out/newsworld/docs.jsonl     # counts, lengths, drafter/oracle agreement
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from newsworld import oracle
 
 def cmd_generate(args) -> int:
     t0 = time.perf_counter()
-    docs = newsworld.documents(args.n, args.seed, start=args.start, retell_rate=args.retell_rate)
+    docs = newsworld.documents(args.n, args.seed, start=args.start, retell_rate=args.retell_rate, task=args.task)
     if args.out == "-":
         n = 0
         for d in docs:
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--seed", type=int, default=0, help="world seed: same seed, same bytes")
     nw.add_argument("--start", type=int, default=0, help="index of the first article")
     nw.add_argument("--retell-rate", type=float, default=0.08, help="share of articles retelling an earlier event")
+    nw.add_argument("--task", default="short", choices=newsworld.TASKS,
+                    help="short: about 100-word articles; long: 300-420 words, a 45-word reference of 3-5 key facts")
     nw.add_argument("--out", default="-", help="output JSONL file ('-' for stdout)")
 
     st = sub.add_parser("stats", help="counts, length distributions, drafter/oracle agreement")

@@ -15,6 +15,7 @@ Stdlib, numpy and `data`/`newsworld`/`sandbox` only (no torch).
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import re
 from collections import Counter, defaultdict
@@ -31,7 +32,7 @@ from newsworld.vocab import (
     C, CONFLICT, PREDICATES, Qty, Unit, When, DraftFact, MONTH_DAYS, NEGATION, PRED_EXTRA, SHARED_NAME_WORDS,
     count, money, parse_money, percent, score, when, world_lexicon,
 )
-from newsworld.world import CONTEXT, ENTITY_ATTRS, FAMILIES, Slot, choose_verbs, doc_facts, render
+from newsworld.world import ENTITY_ATTRS, FAMILIES, Slot, choose_verbs, context_of, doc_facts, render, task_of
 
 # ===========================================================================
 # 5. Reading claims out of text: numbers, dates, entities
@@ -299,7 +300,7 @@ class DocView:
         self.entities = doc.entities
         self.words = frozenset(re.findall(r"[A-Z][\w'’-]*", doc.text))
         self.facts = doc_facts(doc)
-        ctx = CONTEXT[self.family.name]
+        ctx = context_of(self.family.name, task_of(doc))
         self.sigs: list[_Sig] = []
         for role, (d, f) in self.facts.items():
             cues = self.family.cues[role] if role in self.family.cues else C(ctx[int(role[3:])][0])
@@ -559,6 +560,66 @@ def stated_facts(doc: Document, summary: str) -> list[dict]:
             out.append({"sentence": idx, "kind": "number" if kind == "qty" else kind, "text": sentence[a:b],
                         "supported": not bad})
     return out
+
+
+def key_facts_stated(doc: Document, summary: str) -> dict[str, bool]:
+    """Each key fact of `doc` (role -> stated): true when a summary sentence with no oracle
+    error states its value and its date, or, for a fact with neither, names the entities
+    the reference names for it. A sentence with an error states nothing right: its subject,
+    polarity or predicate may be the wrong part ("Rival Co raised $398 million")."""
+    view = DocView(doc)
+    keys = [s for s in view.sigs if s.d.get("key")]
+    found: dict[str, set[str]] = {s.role: set() for s in keys}
+    for sentence in textsplit.split_sentences(summary):
+        if _check_sentence(view, sentence)[1]:
+            continue
+        st = _Stated.of(view, sentence)
+        ok = st.qtys + st.dates + st.ents
+        for s in keys:
+            if s.qty is not None and any(m.qty is not None and qty_match(m.qty, s.qty) for m in ok):
+                found[s.role].add("value")
+            if s.when is not None and any(m.when is not None and when_match(m.when, s.when) for m in ok):
+                found[s.role].add("date")
+            found[s.role] |= {m.name for m in ok if m.name in s.ents}
+    out = {}
+    for s in keys:
+        if s.qty is not None or s.when is not None:
+            need = {k for k, x in (("value", s.qty), ("date", s.when)) if x is not None}
+        else:
+            need = {e for e in s.ents if e in doc.summary} or set(s.ents[:1])
+        out[s.role] = need <= found[s.role]
+    return out
+
+
+def key_fact_coverage(doc: Document, summary: str) -> float:
+    """Share of `doc`'s key facts (those its reference states) that `summary` states right
+    (`key_facts_stated`), in [0, 1]; 0.0 for a document with no key fact."""
+    stated = key_facts_stated(doc, summary)
+    return sum(stated.values()) / len(stated) if stated else 0.0
+
+
+def lead(doc: Document, n: int = 3) -> str:
+    """The copying baseline lead-n: the article's first `n` sentences."""
+    return " ".join(textsplit.split_sentences(doc.text)[:n])
+
+
+def best_extract(doc: Document, budget: int, most: int = 3) -> str:
+    """The copying baseline with the oracle's knowledge: the set of at most `most` whole
+    article sentences, each stating a key fact, within `budget` words, whose key-fact
+    coverage is highest (ties: fewer words, then article order). "" when none fits."""
+    sentences = textsplit.split_sentences(doc.text)
+    holding = sorted({d["sentence"] for d in doc.facts if d.get("key")})
+    best, best_key = "", (0.0, 0)
+    for k in range(1, most + 1):
+        for chosen in itertools.combinations(holding, k):
+            text = " ".join(sentences[i] for i in chosen)
+            words = len(textsplit.words(text))
+            if words > budget:
+                continue
+            key = (key_fact_coverage(doc, text), -words)
+            if key > best_key:
+                best, best_key = text, key
+    return best
 
 
 def oracle_support(doc: Document, sentence: str) -> list[int]:

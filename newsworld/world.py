@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import data
+from factual_tools import textsplit
 from data import MONTHS, DataError, Document, seeded_rng
 from newsworld.vocab import (
     WORLD_VERSION, C, Cast, Ent, Family, Qty, S, Sent, U, When, DraftFact, Values, count, money, score, verb, when,
@@ -782,6 +783,30 @@ CONTEXT: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+# The long task's padding: lines any news story may carry, with no entity, number or date
+# (context sentences for every family, after its own), each identified by one phrase.
+GENERIC: tuple[tuple[str, str], ...] = (
+    ("request for comment", "A spokesperson did not immediately respond to a request for comment."),
+    ("statement released", "The announcement was made in a statement released late in the day."),
+    ("familiar with the matter", "People familiar with the matter said more news could follow."),
+    ("first reported", "Local media first reported the news earlier in the week."),
+    ("declined to give", "Officials declined to give further details about the timing."),
+    ("coming weeks", "More details are expected to be published in the coming weeks."),
+    ("mixed reaction", "The news drew a mixed reaction from observers, some of whom had expected less."),
+    ("wider community", "It comes at a difficult time for the wider community, with costs still rising."),
+    ("unanswered", "Critics said several important questions were still unanswered."),
+    ("long overdue", "Supporters welcomed the move as long overdue and said it should have come sooner."),
+    ("broader trend", "Observers see it as part of a broader trend across the region."),
+    ("shared on social media", "The news was widely shared on social media within hours."),
+    ("took questions", "At a briefing, officials took questions from reporters for almost an hour."),
+    ("most closely watched", "It was one of the most closely watched stories of the week."),
+    ("under way", "The next steps will depend on several reviews that are still under way."),
+    ("businesses alike", "The outcome was closely followed by residents and businesses alike."),
+    ("too early", "Some commentators cautioned that it was too early to judge the full impact."),
+    ("in recent months", "Similar questions have been raised elsewhere in recent months."),
+)
+
+
 # ===========================================================================
 # 4. The news world: rendering and generation
 # ===========================================================================
@@ -863,39 +888,87 @@ def _event_of(seed: int, i: int, retell_rate: float) -> int:
     return i
 
 
-def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
-    """Article i of the world `seed`: depends only on (seed, i), never on how many are generated."""
+TASKS = ("short", "long")  # the world's two tasks: `world_document`'s `task`
+
+# The long task: news-length articles (GENERIC lines pad them to LONG_WORDS words), every
+# key fact in a sentence that also carries another (a distractor where the family has one),
+# and a reference that fuses 3-5 key facts into at most SUMMARY_WORDS words. No set of
+# whole article sentences within that budget states the key facts.
+LONG_WORDS = (300, 420)
+SUMMARY_WORDS = 45
+KEY_FACTS = (3, 5)
+_JOINS = ("while", "and", "as")
+# Capitalised words that may open a joined sentence and are not names: lower-cased after the join.
+_LOWER_OK = frozenset("A An The In On For At That Analysts Net Shares Revenue Members Work Building Officials "
+                      "Mayor Rival Investors Half Fans Both Polls Schools Emergency Forecasters Early Residents "
+                      "Higher Integration Legal Founded Turnout Voters Its It Under Police Damage Power About "
+                      "More Some Most Critics Supporters Observers Uncertainty Local People Prices Sales "
+                      "Quarterly Demand Talks Ticket Orders".split())
+
+
+def _join(a: str, b: str, how: str) -> str:
+    """Two sentences as one: `a`, then `how`, then `b` (its first word lower-cased unless a name)."""
+    first = b.split(" ", 1)[0]
+    if first in _LOWER_OK:
+        b = first.lower() + b[len(first):]
+    return f"{a.rstrip('.')}, {how} {b}"
+
+
+def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "short") -> Document:
+    """Article i of the world `seed`: depends only on (seed, i), never on how many are generated.
+
+    `task` "short": 6-14 sentences (about 100 words), a reference of the lead unit plus
+    one to three others. "long": the long task above (about 300-420 words)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown news world task {task!r} (tasks: {', '.join(TASKS)})")
     event = _event_of(seed, i, retell_rate)
     er = seeded_rng(seed, "event", event)
     family = FAMILIES[er.choice(sorted(FAMILIES))]
     facts = family.make(er)
-    context = CONTEXT[family.name]
+    context = context_of(family.name, task)
     for k, (_, sentence) in enumerate(context):
         facts[f"ctx{k}"] = DraftFact(None, extra={"text": sentence})
 
-    sr = seeded_rng(seed, "surface", i)
-    # The summary: the lead unit plus one to three others; their roles are the key facts.
-    units = [family.units[0]] + sr.sample(family.units[1:], min(len(family.units) - 1, sr.choice([1, 2, 2, 3])))
+    if task == "short":
+        sr = seeded_rng(seed, "surface", i)
+        # The summary: the lead unit plus one to three others; their roles are the key facts.
+        units = [family.units[0]] + sr.sample(family.units[1:], min(len(family.units) - 1, sr.choice([1, 2, 2, 3])))
+    else:
+        sr = seeded_rng(seed, "surface", task, i)
+        summary_verbs = choose_verbs(facts, sr)
+        units = _budget_units(family, facts, summary_verbs, sr)
     key_roles = {role for u in units for role in u.roles}
     # The article: the lead, the sentences that state key facts, then distractors
     # first (careless copying should have something to err on) and the rest.
     lead = family.lead[0]
-    body = list(family.body) + [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(context))]
+    body = list(family.body) + [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(context))
+                                if k < len(CONTEXT[family.name])]
     need = [s for s in body if set(s.roles) & key_roles]
     rest = [s for s in body if s not in need]
     sr.shuffle(rest)
     rest.sort(key=lambda s: not s.distractor)
-    n_sent = sr.randint(6, 14)
-    chosen = need + rest[:max(0, n_sent - 1 - len(need))]
-    sr.shuffle(chosen)
+    if task == "short":
+        n_sent = sr.randint(6, 14)
+        chosen = need + rest[:max(0, n_sent - 1 - len(need))]
+        sr.shuffle(chosen)
+        groups = [[spec] for spec in [lead] + chosen]
+    else:
+        generic = [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(CONTEXT[family.name]), len(context))]
+        groups = _long_groups(lead, need, rest, sr.sample(generic, len(generic)), sr)
 
     verbs = choose_verbs(facts, sr)
     sentences, stated = [], {}
-    for idx, spec in enumerate([lead] + chosen):
-        text, _, kept = render(sr.choice(spec.templates), facts, verbs, include=lambda role: sr.random() < 0.5)
-        sentences.append(text)
-        for role in list(spec.roles) + kept:
-            stated.setdefault(role, idx)
+    for idx, group in enumerate(groups):
+        parts = []
+        for spec in group:
+            text, _, kept = render(sr.choice(spec.templates), facts, verbs,
+                                   include=lambda role: task == "long" or sr.random() < 0.5)
+            parts.append(text)
+            for role in list(spec.roles) + kept:
+                stated.setdefault(role, idx)
+        sentences.append(parts[0] if len(parts) == 1 else _join(parts[0], parts[1], sr.choice(_JOINS)))
+    if task == "long":
+        sentences = _pad(sentences, context, facts, stated, sr)
 
     order = sorted(stated, key=lambda role: (stated[role], list(facts).index(role)))
     table = [fact_to_dict(f"f{k}", family.name, role, facts[role], stated[role], role in key_roles)
@@ -906,17 +979,86 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08) -> Document:
             ent = getattr(facts[role], attr)
             if ent is not None:
                 entities.setdefault(ent.name, ent.type)
-    summary_verbs = choose_verbs(facts, sr)
+    if task == "short":
+        summary_verbs = choose_verbs(facts, sr)
     summary = " ".join(render(sr.choice(u.templates), facts, summary_verbs)[0] for u in units)
-    return Document(id=f"nw-{seed}-{i:06d}", text=" ".join(sentences), summary=summary, source="newsworld",
-                    bucket=family.name, facts=table, entities=entities,
-                    meta={"world": WORLD_VERSION, "event": f"{seed}-{event}", "units": [u.name for u in units]})
+    meta = {"world": WORLD_VERSION, "event": f"{seed}-{event}", "units": [u.name for u in units]}
+    if task != "short":
+        meta["task"] = task
+    return Document(id=f"nw-{seed}-{i:06d}" + ("" if task == "short" else f"-{task}"), text=" ".join(sentences),
+                    summary=summary, source="newsworld", bucket=family.name, facts=table, entities=entities,
+                    meta=meta)
 
 
-def documents(n: int, seed: int = 0, start: int = 0, retell_rate: float = 0.08) -> Iterator[Document]:
+def context_of(family: str, task: str = "short") -> tuple[tuple[str, str], ...]:
+    """A family's context sentences (cue phrase, sentence); the long task adds the GENERIC ones."""
+    return CONTEXT[family] + (GENERIC if task == "long" else ())
+
+
+def task_of(doc: Document) -> str:
+    return (doc.meta or {}).get("task", "short")
+
+
+def _budget_units(family: Family, facts: dict[str, DraftFact], verbs: dict[str, str], sr: random.Random) -> list:
+    """The long task's reference: the lead unit, then other units in a random order while the
+    key facts stay within KEY_FACTS and the words within SUMMARY_WORDS (rendered as written)."""
+    units = [family.units[0]]
+    words = max(_n_words(render(t, facts, verbs)[0]) for t in family.units[0].templates)
+    for u in sr.sample(family.units[1:], len(family.units) - 1):
+        roles = sum(len(x.roles) for x in units)
+        if roles >= KEY_FACTS[1]:
+            break
+        w = max(_n_words(render(t, facts, verbs)[0]) for t in u.templates)
+        if words + w <= SUMMARY_WORDS:
+            units.append(u)
+            words += w
+    return units
+
+
+def _n_words(text: str) -> int:
+    """Words as the reward's length rule counts them (textsplit.words: "4-0" is two)."""
+    return len(textsplit.words(text))
+
+
+def _long_groups(lead: Sent, need: list[Sent], rest: list[Sent], generic: list[Sent], sr: random.Random
+                 ) -> list[list[Sent]]:
+    """The long task's sentence plan: the lead, then every body sentence. The lead and each
+    key-fact sentence are joined with another: a distractor while one is left, then the
+    family's other sentences, then GENERIC lines. So no two whole sentences that state key
+    facts fit in the summary's budget together."""
+    partners = [s for s in rest if s.distractor] + [s for s in rest if not s.distractor] + generic
+    groups = [[spec, partners.pop(0)] for spec in need]
+    groups += [[s] for s in partners if s not in generic]
+    sr.shuffle(groups)
+    return [[lead, partners.pop()]] + groups
+
+
+def _pad(sentences: list[str], context: tuple, facts: dict[str, DraftFact], stated: dict[str, int],
+         sr: random.Random) -> list[str]:
+    """The long task's sentences padded to a drawn length with the GENERIC context lines that
+    are not in yet, each inserted at a random place after the lead (fact indices follow)."""
+    target = sr.randint(*LONG_WORDS)
+    first = len(context) - len(GENERIC)
+    spare = [k for k in range(first, len(context)) if f"ctx{k}" not in stated]
+    sr.shuffle(spare)
+    out = list(sentences)
+    roles_at = [[r for r, j in stated.items() if j == idx] for idx in range(len(out))]
+    while spare and sum(_n_words(s) for s in out) < target:
+        k = spare.pop()
+        at = sr.randint(1, len(out))
+        out.insert(at, facts[f"ctx{k}"].extra["text"])
+        roles_at.insert(at, [f"ctx{k}"])
+    for idx, roles in enumerate(roles_at):
+        for role in roles:
+            stated[role] = idx
+    return out
+
+
+def documents(n: int, seed: int = 0, start: int = 0, retell_rate: float = 0.08, task: str = "short"
+              ) -> Iterator[Document]:
     """Articles start .. start+n-1 of the world `seed` (a stream; byte-identical across runs)."""
     for i in range(start, start + n):
-        yield world_document(seed, i, retell_rate)
+        yield world_document(seed, i, retell_rate, task)
 
 
 # --- fact tables -----------------------------------------------------------------
@@ -969,13 +1111,13 @@ def parse_when(text: str) -> When:
     raise ValueError(f"not a date: {text!r}")
 
 
-def fresh_documents(n: int | Iterable[int], seed: int, guard: "data.LeakGuard | None" = None
+def fresh_documents(n: int | Iterable[int], seed: int, guard: "data.LeakGuard | None" = None, task: str = "short"
                     ) -> tuple[list[Document], list[str]]:
     """(documents, ids skipped): articles 0..n-1 (or the indices `n`) of the world
     `seed`, less those `guard` finds in a held-out cluster."""
     kept, skipped = [], []
     for i in (range(n) if isinstance(n, int) else n):
-        doc = world_document(seed, i)
+        doc = world_document(seed, i, task=task)
         if guard is not None and guard.match(doc) is not None:
             skipped.append(doc.id)
         else:

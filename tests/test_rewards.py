@@ -1,7 +1,9 @@
 """Rewards: rules (table-driven), totality on garbage, the lexical scorer, FENICE
 (hand computation, tiny random HF models), tool terms, ToolMatch, the curriculum,
 the combined reward and its batch API, and the news-world agreement check."""
+import collections
 import dataclasses
+from collections import Counter
 import json
 import math
 import os
@@ -771,7 +773,7 @@ def _configs_with_a_reward():
 def test_audit_table_faithful_outscores_every_way_of_saying_nothing(path):
     cfg = R.RewardConfig() if path is None else load_config_file(path).reward
     # fenice and the oracle need models or fact tables; the rules and the gate are what is audited
-    cfg = dataclasses.replace(cfg, factuality="lexical")
+    cfg = dataclasses.replace(cfg, factuality="lexical", coverage=False)  # coverage: the long task's audit
     scores = {k: R.score(DOC, v, cfg)["total"] for k, v in AUDIT.items()}
     print(path, {k: round(v, 3) for k, v in scores.items()})
     for k, v in scores.items():
@@ -865,3 +867,65 @@ def test_lexical_agrees_with_the_oracle_on_drafter_errors():
     per_summary, per_sentence, n = agreement()
     print(f"oracle/lexical agreement on {n} drafts: {per_summary:.3f} per summary, {per_sentence:.3f} per sentence")
     assert per_summary >= 0.8 and per_sentence >= 0.8
+
+
+# The long task's audit (configs/rl_news.yaml): on news-length articles a faithful fused
+# summary must outscore every way of copying or saying little, under every config whose
+# reward counts key-fact coverage, and only it passes.
+def _coverage_configs():
+    return [p for p in _configs_with_a_reward() if p and load_config_file(p).reward.coverage]
+
+
+def _long_audit(doc):
+    lead = textsplit.split_sentences(doc.text)[0]
+    return {
+        "lead sentence": lead,
+        "lead repeated": f"{lead} {lead}",
+        # the ritual the short world paid for: copy, search it, delete it, write it again
+        "copy, search, rewrite": sandbox.replay(doc.text, f'{lead}<search>{lead}</search><delete scope="sentence"/>'
+                                                          f"{lead}"),
+        "lead-3": oracle.lead(doc, 3),
+        "best whole sentences": oracle.best_extract(doc, 45),
+        "vague": "The company announced an important development that drew a mixed reaction from observers, "
+                 "and more details about what it means are expected to be published in the coming weeks.",
+    }
+
+
+def test_the_long_task_has_configs_with_coverage():
+    assert any(p.endswith("rl_news.yaml") for p in _coverage_configs())
+
+
+@pytest.mark.parametrize("path", _coverage_configs(), ids=os.path.basename)
+def test_long_task_audit_faithful_fused_summary_beats_every_copy(path):
+    cfg = load_config_file(path).reward
+    docs = list(newsworld.documents(40, 0, task="long"))
+    passes, margins = Counter(), collections.defaultdict(list)
+    for doc in docs:
+        faithful = R.score(doc, doc.summary, cfg)
+        assert faithful["coverage"] == 1.0 and faithful["factuality"] == 1.0, faithful
+        passes["faithful"] += faithful["pass"]
+        for k, text in _long_audit(doc).items():
+            got = R.score(doc, text, cfg)
+            assert faithful["total"] > got["total"], (doc.id, k, got["total"], faithful["total"])
+            margins[k].append(faithful["total"] - got["total"])
+            passes[k] += got["pass"]
+    # the heuristic name and number rules fail a few references (a name run on: "Freya Torres of University of Marlow")
+    assert passes.pop("faithful") / len(docs) >= 0.9
+    # a copy passes on few documents: M2 (a combined pass of 60%) stays out of reach
+    assert all(n / len(docs) < 0.2 for n in passes.values()), passes
+    assert passes["lead repeated"] == passes["copy, search, rewrite"] == passes["vague"] == 0, passes
+    assert all(sum(m) / len(m) > 0.25 for m in margins.values()), {k: sum(m) / len(m) for k, m in margins.items()}
+
+
+def test_coverage_scales_factuality_and_needs_fact_tables():
+    doc = next(newsworld.documents(1, 0, task="long"))
+    cfg = R.RewardConfig(factuality="oracle", oracle_unit="fact", coverage=True)
+    lead = textsplit.split_sentences(doc.text)[0]
+    got = R.score(doc, lead, cfg)
+    assert got["precision"] == 1.0 and 0 < got["coverage"] < 1
+    assert got["factuality"] == pytest.approx(got["precision"] * got["coverage"])
+    assert R.factuality_batch([(doc, lead)], cfg) == [pytest.approx(got["factuality"])]
+    plain = R.score(doc, lead, dataclasses.replace(cfg, coverage=False))
+    assert plain["factuality"] == 1.0 and plain["coverage"] is None
+    with pytest.raises(ValueError, match="reward.coverage needs news world documents"):
+        R.score(doc.text, lead, dataclasses.replace(cfg, factuality="lexical"))
