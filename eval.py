@@ -191,13 +191,16 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         if not Path(p).is_dir():
             raise SystemExit(missing_model_hint(p))
     docs = load_eval_documents(cfg)
+    news = all(getattr(d, "facts", None) for d in docs)
+    if cfg.reward.factuality == "oracle" and not news:
+        raise SystemExit(f"reward.factuality=oracle needs a fact table (news world documents); {cfg.docs} has "
+                         "documents without one: set reward.factuality=support (or lexical, learned, fenice)")
     probe_traces = load_decision_traces(cfg)
     run = common.start_run(cfg)
     common.setup_compute(cfg.torch_threads, cfg.autocast, common.device())
     if cfg.pool != "eval":
         print(f"warning: evaluating the {cfg.pool!r} pool, reserved for the final measurement")
     backend = rewards.BACKEND_NAMES[cfg.reward.factuality]
-    news = all(getattr(d, "facts", None) for d in docs)
     print(f"data: {len(docs)} documents ({cfg.pool} pool of {cfg.split or cfg.docs}); factuality: {backend}; "
           f"tools: {cfg.tools}")
     results, kept = {}, {}

@@ -542,6 +542,10 @@ def test_bad_input_names_the_path_and_the_command(world, tmp_path):
         E.main(settings.load_config(E.Config, [*base, f"docs={tmp_path / 'no.jsonl'}"]))
     with pytest.raises(SystemExit, match=re.escape(str(tmp_path / "no.json")) + ".*data.py split"):
         E.main(settings.load_config(E.Config, [*base, f"split={tmp_path / 'no.json'}"]))
+    real = tmp_path / "real.jsonl"  # real news: a reference summary, no fact table
+    data.write_jsonl(str(real), [data.Document(id="acme", text=DOC, summary="Acme reported revenue.")])
+    with pytest.raises(SystemExit, match="factuality=oracle needs a fact table.*reward.factuality=support"):
+        E.main(settings.load_config(E.Config, [*base, f"docs={real}", "split="]))
     with pytest.raises(SystemExit, match="never_touch"):  # an empty pool is an error, not an empty table
         E.main(settings.load_config(E.Config, [*base, "pool=never_touch", f"split={_empty_pool(root, tmp_path)}"]))
 
