@@ -949,7 +949,8 @@ def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = Non
     (models are still loaded once: `fenice_for` shares them); with one, its
     curriculum decides tau.
     Each result holds every component: total, pass, tau, factuality (+ backend
-    name, pass), rules (weighted mean, pass), rule_<name> and rule_<name>_pass,
+    name, pass; `precision` is F before key-fact `coverage`, None without
+    reward.coverage), rules (weighted mean, pass), rule_<name> and rule_<name>_pass,
     budget, cap_penalty, tool_match (None without a teacher) and its per-step
     values, n_search, n_delete, n_words, per-claim details and rule evidence."""
     return (scorer or Scorer(cfg or _DEFAULT_CFG)).score_batch(items, cfg, teacher)

@@ -20,6 +20,6 @@ generated corpus), and nothing here imports them back: a fork with its own data
 deletes this folder and the configs that name the world.
 """
 from newsworld.vocab import WORLD_VERSION, money
-from newsworld.world import FAMILIES, TASKS, documents, fresh_documents, world_document
+from newsworld.world import FAMILIES, LONG_SPLIT_THRESHOLD, TASKS, documents, fresh_documents, world_document
 
-__all__ = ["FAMILIES", "TASKS", "WORLD_VERSION", "documents", "fresh_documents", "money", "world_document"]
+__all__ = ["FAMILIES", "LONG_SPLIT_THRESHOLD", "TASKS", "WORLD_VERSION", "documents", "fresh_documents", "money", "world_document"]

@@ -387,3 +387,18 @@ def test_cli_generates_the_long_task(tmp_path):
     run_cli("generate", "--n", "3", "--seed", "0", "--task", "long", "--out", str(out))
     docs = data.read_documents(str(out))
     assert [data.dumps(d) for d in docs] == [data.dumps(d) for d in LONG[:3]]
+
+
+def test_long_task_split_threshold_clusters_retold_events_and_nothing_else():
+    """The long task's padding lines recur across articles, so different events share
+    shingles (at most about 0.29 Jaccard, same family) and the short world's 0.25 would
+    merge them; retold events score 0.47 or more. The pipeline splits it at LONG_SPLIT_THRESHOLD."""
+    docs = list(newsworld.documents(300, 0, task="long"))
+    clusters = data.cluster_documents(docs, threshold=newsworld.LONG_SPLIT_THRESHOLD)
+    events = {}
+    for d in docs:
+        events.setdefault(d.meta["event"], set()).add(clusters[d.id])
+    assert all(len(cs) == 1 for cs in events.values())
+    assert len(set(clusters.values())) == len(events) < len(docs)
+    merged = data.cluster_documents(docs, threshold=0.25)
+    assert len(set(merged.values())) < len(events)
