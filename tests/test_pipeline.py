@@ -426,3 +426,100 @@ def test_the_headline_plot_is_written_with_one_bar_group_per_figure(tmp_path):
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [label for label in fig["per_seed"] if label not in ("start", "sft", "rl")] == [
         "zero-shot (no tools)", "SFT (tools)", "Dr. GRPO", "student (no tools)"]
+
+
+# --- the long task: phases A-E, the control B+, the copying baselines ---------------
+
+
+def test_the_news_chain_runs_the_claims_core_by_default_and_every_phase_with_full():
+    core = {s.name for s in pipeline.profile_stages("news") if not s.full_only}
+    full = {s.name for s in pipeline.profile_stages("news")}
+    assert {"zero_shot", "traces", "corpus", "sft", "sft_plain", "rl", "rl_bplus", "distill", "eval",
+            "eval_notools"} <= core
+    assert {"rl_a", "rl_b", "rl_no_delete", "rl_no_search", "rl_no_budget"} <= full - core
+    by = {(s.name, s.seed): s for s in pipeline.profile_stages("news", 2)}
+    assert "init=runs/sft_news_plain_s1/final" in by[("rl_bplus", 1)].argv
+    assert "init=runs/sft_news_s1/final" in by[("rl", 1)].argv
+    assert not any(a.startswith("init=") for a in by[("rl_a", 1)].argv)  # phase A starts from the instruct model
+    assert "data.train=out/corpus/news_s1/train.jsonl" in by[("sft_plain", 1)].argv
+    assert "tools=none" in by[("eval_notools", 0)].argv and "tools=none" in by[("zero_shot", None)].argv
+    assert by[("zero_shot", None)].argv[-3:] == ["lead-3", "best-extract", "smollm2-135m"]
+    assert "tools=no_delete" in by[("eval_no_delete_full", 0)].argv
+    assert by[("eval", 0)].argv[-1] == "runs/distill_news/final"
+    assert "--threshold" in by[("split", None)].argv
+
+
+def test_b_plus_gets_the_compute_and_reward_of_d():
+    """The control differs from D in its start and its tools only: the same documents,
+    group size, steps and reward."""
+    import dataclasses
+
+    from helpers import load_config_file
+
+    d, bp = (load_config_file(ROOT / "configs" / f) for f in ("rl_news.yaml", "rl_news_bplus.yaml"))
+    differ = {f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(bp, f.name)}
+    assert differ == {"name", "init", "tools"}, differ
+    assert bp.tools == "none" and d.tools == "all"
+    plain = load_config_file(ROOT / "configs" / "sft_news_plain.yaml")
+    tools = load_config_file(ROOT / "configs" / "sft_news.yaml")
+    assert plain.data.strip_tools and plain.data.train == tools.data.train
+
+
+def test_the_split_threshold_is_the_worlds():
+    import newsworld
+
+    split = next(s for s in pipeline.profile_stages("news") if s.name == "split")
+    assert float(split.argv[split.argv.index("--threshold") + 1]) == newsworld.LONG_SPLIT_THRESHOLD
+
+
+def _news_models(seeds: int, **rows) -> dict:
+    """Eval metrics per model directory for the news chain's rows, by row label."""
+    out = {}
+    for label, paths in pipeline.news_rows(seeds, full=True):
+        for i, p in enumerate(paths):
+            if label in rows:
+                m = rows[label]
+                out[p] = _metrics(**(m[i] if isinstance(m, list) else m))
+    return out
+
+
+def test_news_headline_states_the_claim_and_the_roadmap_milestones():
+    lead, best = "copy: lead-3", "copy: best whole sentences (oracle)"
+    models = _news_models(
+        3,
+        **{lead: {"pass": 0.0}, best: {"pass": 0.02},
+           "zero-shot (no tools)": {"pass": 0.05, "valid_call_rate": float("nan")},
+           "A: RL, rules only (no tools)": {"rules_pass": 0.3, "hallucination_rate": 0.8},
+           "B: RL + factuality (no tools)": {"hallucination_rate": 0.4},
+           "B+: SFT stripped -> RL (no tools)": [{"pass": p, "hallucination_rate": h}
+                                                 for p, h in ((0.30, 0.5), (0.35, 0.45), (0.32, 0.5))],
+           "C: SFT (tools)": {"valid_call_rate": 0.97},
+           "D: Dr. GRPO (tools)": [{"pass": p, "hallucination_rate": h, "tool_auc": 0.8, "evidence_use": 0.95}
+                                   for p, h in ((0.62, 0.2), (0.65, 0.25), (0.70, 0.2))],
+           "D without search": [{"pass": p} for p in (0.4, 0.45, 0.5)],
+           "D without delete": [{"pass": p} for p in (0.6, 0.66, 0.72)],
+           "E: student (no tools)": {"latency_p50_ms": 60.0, "factuality": 0.59}})
+    md, fig = pipeline.news_headline(models, [], 3, full=True, n_docs=103, backend="oracle")
+    c, m = fig["claim"], fig["milestones"]
+    assert c["D beats B+ on combined pass, beyond both spreads"] is True
+    assert c["D beats B+ on hallucination, beyond both spreads"] is True
+    assert c["D's tool AUC >= 0.75"] is True and c["D's evidence use >= 90%"] is True
+    assert c["D without search falls below D on combined pass, beyond both spreads (--full)"] is True
+    assert c["D without delete falls below D on combined pass, beyond both spreads (--full)"] is False  # overlaps
+    assert c["the copying baselines fail M2 (combined pass < 60%)"] is True
+    assert m["M0: A's rule pass >= 20% (--full)"] is True
+    assert m["M1: B's hallucinations down >= 40% vs A (--full)"] is True  # 0.8 -> 0.4
+    assert m["M2: D's combined pass >= 60%"] is True
+    assert m["C: tool calls valid >= 95% (after tool SFT)"] is True
+    assert m["M3: E <= 100 ms per summary, factuality within 2 points of D"] is True  # 0.6 vs 0.59, 60 ms
+    rows = [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ") and "%" in line]
+    assert rows[:4] == [f"| {lead}", f"| {best}", "| zero-shot (no tools)", "| A: RL, rules only (no tools)"]
+    assert "65.7% (62.0%-70.0%) vs 32.3% (30.0%-35.0%)" in md
+
+    # without --full, A, B and the ablations are not measured, and a copy that passes fails the claim
+    core = {k: v for k, v in models.items() if "rl_news_a" not in k and "rl_news_b/" not in k}
+    core["best-extract"] = _metrics(**{"pass": 0.7})
+    md, fig = pipeline.news_headline(core, [], 3, full=False, n_docs=103, backend="oracle")
+    assert fig["milestones"]["M0: A's rule pass >= 20% (--full)"] is None
+    assert fig["claim"]["the copying baselines fail M2 (combined pass < 60%)"] is False
+    assert "| D without search |" not in md
