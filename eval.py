@@ -43,8 +43,9 @@ from factual_tools.evaluation import (Config, KS, ORACLE_FREE, evaluate_dir, loa
 PROBE = ["decision_probe_auc", "decision_probe_after_wrong", "decision_probe_after_right", "decision_probe_deletes",
          "decision_probe_keeps"]
 TABLES = {
-    "Quality": ["rouge1", "rouge2", "rougeL", "factuality", "rules_pass", "pass", "total", "hallucination_rate",
-                "errors_per_summary", *ORACLE_FREE],  # the last need no fact table: real news too
+    "Quality": ["rouge1", "rouge2", "rougeL", "factuality", "fact_precision", "coverage", "key_fact_coverage",
+                "rules_pass", "pass", "total", "hallucination_rate", "errors_per_summary",
+                *ORACLE_FREE],  # the last need no fact table: real news too
     "Tools": ["valid_call_rate", "valid_episode_rate", "searches", "deletes", "deletes_removing_error"],
     "pass@k": [f"pass_at_{k}" for k in KS] + ["pass_sampled"],
     "Speed": ["latency_p50_ms", "latency_p95_ms", "tok_s"],
@@ -209,8 +210,8 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         t0 = time.perf_counter()
         kept[p] = []
         results[p] = m = evaluate_dir(p, docs, cfg, kept[p], probe_traces)
-        shown = ("rouge1", "factuality", "fact_precision", "pass", "hallucination_rate", *ORACLE_FREE,
-                 "valid_call_rate", "decision_probe_auc", "latency_p50_ms")
+        shown = ("rouge1", "factuality", "fact_precision", "coverage", "key_fact_coverage", "pass",
+                 "hallucination_rate", *ORACLE_FREE, "valid_call_rate", "decision_probe_auc", "latency_p50_ms")
         print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in shown if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")
     curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))

@@ -231,7 +231,9 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
                        ) -> dict[str, float]:
     """The oracle's view of greedy episodes: fact precision (supported names,
     numbers and dates over those stated), the share of summaries stating none
-    (`no_fact_rate`), the tool decision (`tool_decision`),
+    (`no_fact_rate`), key-fact coverage (`oracle.key_fact_coverage`: the share of the
+    reference's key facts a summary states right, averaged; whatever `reward.coverage`
+    says), the tool decision (`tool_decision`),
     and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
     from newsworld import oracle
 
@@ -239,7 +241,8 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
     out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
            "facts_stated": common.mean(len(fs) for fs in stated),
            # a summary stating nothing has no wrong fact: precision must be read beside this share
-           "no_fact_rate": common.mean(not fs for fs in stated)}
+           "no_fact_rate": common.mean(not fs for fs in stated),
+           "key_fact_coverage": common.mean(oracle.key_fact_coverage(d, e.summary) for d, e in zip(docs, eps))}
     out.update(tool_decision([ev for d, e in zip(docs, eps) for ev in sentence_events(d, e, limits)]))
     for fam in sorted({d.bucket for d in docs}):
         idx = [i for i, d in enumerate(docs) if d.bucket == fam]
@@ -481,6 +484,7 @@ def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
     out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
     for k in ("factuality", "pass", "total", "rules", "rules_pass"):
         out[k] = common.mean(float(s[k]) for s in scores)
+    out["coverage"] = common.mean(s.get("coverage") for s in scores)  # the reward's; NaN with reward.coverage off
     for k in scores[0]:
         if k.startswith("rule_") and k.endswith("_pass"):
             out[k] = common.mean(float(s[k]) for s in scores)
@@ -496,7 +500,9 @@ def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
         out.update(news_world_metrics(docs, eps, errors, cfg.limits))
     out["tau"] = float(scores[0]["tau"])
     out["news_world"] = float(news)
-    out["len_tokens"] = common.mean(sum(len(t.ids) for t in e.turns) for e in eps)  # generated, all turns
+    # generated, all turns; NaN for text-only episodes (replayed text: nothing decoded, no token ids)
+    out["len_tokens"] = common.mean(sum(len(t.ids) for t in e.turns) if all(t.ids is not None for t in e.turns)
+                                    else None for e in eps)
     out["len_words"] = common.mean(len(e.summary.split()) for e in eps)  # of the final summary
     out["emission"] = common.mean(bool(e.summary.strip()) and not e.flags.get("truncated") for e in eps)
     out.update(oracle_free_metrics([claims.text_of(d) for d in docs], eps, cfg.reward.rules.number_rel_tolerance))
@@ -525,6 +531,11 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     - Factuality F from `reward.factuality` (oracle | lexical | fenice, named as
       `rewards.BACKEND_NAMES` does), each rule's pass rate, pass (F >= tau and every
       rule; tau is the curriculum's first, so runs compare), mean total reward.
+      `coverage`: the reward's key-fact coverage (the factor of F under
+      `reward.coverage`), NaN when the reward does not count it.
+    - News world (documents with a fact table): `fact_precision` and `no_fact_rate`,
+      and `key_fact_coverage`, the share of the reference's key facts a summary states
+      right by the oracle, whatever the reward counts (`news_world_metrics`).
     - Hallucination: a summary hallucinates when it makes at least one unsupported
       claim. On the news world (documents with a fact table) the oracle decides,
       whatever the reward backend: one error = one `oracle.oracle_errors` label (a

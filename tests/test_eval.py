@@ -1,6 +1,7 @@
 """eval.py: pass@k against enumeration, hallucination and delete counting on the
 news world, ROUGE wiring, the decode-time tag ban against a policy forced to
 write the tags, and the script end to end (one model, --compare, bad input)."""
+import dataclasses
 import itertools
 import json
 import math
@@ -20,7 +21,8 @@ import rewards
 import sandbox as S
 from factual_tools import evaluation, rollout as R, settings, textsplit
 import newsworld
-from helpers import DOC, bpe_tokenizer, tiny_llama
+from helpers import DOC, bpe_tokenizer, load_config_file, tiny_llama
+from newsworld import oracle
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = bpe_tokenizer()
@@ -556,3 +558,32 @@ def _empty_pool(root: Path, tmp_path: Path) -> str:
     path = tmp_path / "split_empty.json"
     path.write_text(json.dumps(manifest))
     return str(path)
+
+
+# ---------------------------------------------------------------------------
+# Key-fact coverage on the long task
+# ---------------------------------------------------------------------------
+
+NEWS_CFG = ROOT / "configs" / "eval_news.yaml"
+
+
+@pytest.fixture(scope="module")
+def long_docs():
+    return list(newsworld.documents(6, 0, task="long"))
+
+
+def _replayed(texts):
+    return lambda docs: [S.replay(d.text, t) for d, t in zip(docs, texts)]
+
+
+def test_coverage_from_the_reward_and_key_fact_coverage_from_the_oracle_whatever_the_reward(long_docs):
+    cfg = load_config_file(NEWS_CFG)
+    texts = [oracle.lead(d, 3) for d in long_docs]
+    want = sum(oracle.key_fact_coverage(d, t) for d, t in zip(long_docs, texts)) / len(texts)
+    assert 0 < want < 1
+    on = evaluation.greedy_eval(None, None, long_docs, cfg, generate=_replayed(texts))[0]
+    assert on["coverage"] == pytest.approx(want) and on["key_fact_coverage"] == pytest.approx(want)
+    off = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, coverage=False))
+    got = evaluation.greedy_eval(None, None, long_docs, off, generate=_replayed(texts))[0]
+    assert math.isnan(got["coverage"]) and got["key_fact_coverage"] == pytest.approx(want)
+    assert got["pass"] >= on["pass"]  # F without coverage is precision alone
