@@ -4,20 +4,30 @@
     python eval.py --config configs/eval_tiny.yaml model=runs/sft_tiny/final name=eval_sft
     python eval.py --config configs/eval_tiny.yaml --compare runs/sft_tiny/final runs/rl_tiny/final
     python eval.py --config configs/eval_tiny.yaml tools=none name=eval_no_tools   # decode-time ablation
+    python eval.py --config configs/eval_news.yaml --compare lead-3 best-extract runs/sft_news/final
 
 A model is a trained directory (`modeling.load_trained`): full weights (SFT's `final/`) or a PEFT
 adapter (RL's `final/`). Documents are the leak-cluster manifest's `eval` pool (`data.py split`;
 `never_touch` only when `pool=never_touch` is asked for); with `--compare A B ...` every directory
 sees the same documents and seeds. Every metric is defined in `evaluate`'s docstring.
 
+Copying baselines: the reserved names `lead-3` (the article's first three sentences) and
+`best-extract` (the best whole article sentences within `reward.rules.max_words` words, chosen with
+the oracle's knowledge of the key facts; news world documents only) stand in `--compare` (or `model=`)
+for a model directory and give a row scored by the same figures. No model is loaded: the baseline's
+text runs through the sandbox as a model's output would (`evaluation.BASELINES`); pass@k, latency and
+tok/s are n/a. A reserved name always means the baseline, even where a directory so named exists
+(write `./lead-3` for such a directory).
+
 A served policy's episode log (serve.py) is read by `python monitor.py LOG`.
 
 Ablation `tools=no_search | no_delete | none` bans the tags at decode time (`TagBan`): the model is
 unchanged, it just cannot open the banned calls.
 
-Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR, "metrics": {...}}] in the order given, the
-config, the backends, the documents), report.md (a row per model, a column per metric, plus training
-curves), PNG plots and samples.html (greedy episodes in the traces' spot-check viewer).
+Outputs in runs/NAME/: eval.json (`models`: [{"model": DIR or baseline name, "baseline": bool, "metrics":
+{...}}] in the order given, the config, the backends, the documents), report.md (a row per model or
+baseline, a column per metric, plus training curves), PNG plots and samples.html (greedy episodes in
+the traces' spot-check viewer).
 """
 from __future__ import annotations
 
@@ -30,10 +40,11 @@ from typing import Sequence
 
 import numpy as np
 
+import data
 import rewards
 from factual_tools import common, modeling, settings, traces
-from factual_tools.evaluation import (Config, KS, ORACLE_FREE, evaluate_dir, load_decision_traces,
-                                      load_eval_documents, missing_model_hint)
+from factual_tools.evaluation import (BASELINES, Config, KS, ORACLE_FREE, baseline_episodes, evaluate_baseline,
+                                      evaluate_dir, load_decision_traces, load_eval_documents, missing_model_hint)
 
 
 # ---------------------------------------------------------------------------
@@ -167,9 +178,16 @@ def write_samples(run_dir, kept: dict[str, list], n: int) -> None:
     common.atomic_write_text(Path(run_dir) / "samples.html", traces.render_html(samples, "eval samples"))
 
 
+COMPARE_HELP = ("--compare A B ...: evaluate each of these on the same documents and seeds, each a model directory, "
+                "a model preset or a copying baseline's reserved name (" + ", ".join(BASELINES) + "; the name wins "
+                "over a directory so named: write ./NAME for the directory)")
+
+
 def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
     """(argv without `--compare DIR ...`, the directories): the config loader takes
-    bare flags only, so the directories after --compare are taken out first."""
+    bare flags only, so the directories after --compare are taken out first. A
+    directory may be a copying baseline's reserved name (lead-3, best-extract:
+    `evaluation.BASELINES`), which means the baseline even where such a directory exists."""
     rest, dirs, i = [], [], 0
     while i < len(argv):
         if argv[i] == "--compare":
@@ -178,7 +196,8 @@ def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
                 dirs.append(argv[i])
                 i += 1
             if not dirs:
-                raise settings.ConfigError("--compare needs one or more model directories")
+                raise settings.ConfigError("--compare needs one or more model directories or baseline names ("
+                                           + ", ".join(BASELINES) + ")")
             continue
         rest.append(argv[i])
         i += 1
@@ -186,16 +205,23 @@ def split_compare(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
-    """Evaluate `cfg.model`, or every directory of `compare`, and write the run's outputs."""
-    paths = [modeling.resolve_model_path(p) for p in list(compare) or [cfg.model]]  # a preset: its folder
+    """Evaluate `cfg.model`, or every directory of `compare`, and write the run's outputs.
+    A copying baseline's reserved name (`BASELINES`) is evaluated as a row without a model,
+    even where a directory of that name exists."""
+    paths = [p if p in BASELINES else modeling.resolve_model_path(p)  # a preset: its folder
+             for p in list(compare) or [cfg.model]]
     for p in paths:
-        if not Path(p).is_dir():
+        if p not in BASELINES and not Path(p).is_dir():
             raise SystemExit(missing_model_hint(p))
     docs = load_eval_documents(cfg)
     news = all(getattr(d, "facts", None) for d in docs)
     if cfg.reward.factuality == "oracle" and not news:
         raise SystemExit(f"reward.factuality=oracle needs a fact table (news world documents); {cfg.docs} has "
                          "documents without one: set reward.factuality=support (or lexical, learned, fenice)")
+    try:  # the baselines' texts first (no model, seconds): one a document cannot serve stops the run here
+        copied = {p: baseline_episodes(p, docs, cfg) for p in dict.fromkeys(paths) if p in BASELINES}
+    except data.DataError as e:
+        raise SystemExit(f"error: {e}") from None
     probe_traces = load_decision_traces(cfg)
     run = common.start_run(cfg)
     common.setup_compute(cfg.torch_threads, cfg.autocast, common.device())
@@ -209,15 +235,17 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         common.seed_everything(cfg.seed)
         t0 = time.perf_counter()
         kept[p] = []
-        results[p] = m = evaluate_dir(p, docs, cfg, kept[p], probe_traces)
+        results[p] = m = (evaluate_baseline(p, docs, cfg, kept[p], copied[p]) if p in BASELINES
+                          else evaluate_dir(p, docs, cfg, kept[p], probe_traces))
         shown = ("rouge1", "factuality", "fact_precision", "coverage", "key_fact_coverage", "pass",
                  "hallucination_rate", *ORACLE_FREE, "valid_call_rate", "decision_probe_auc", "latency_p50_ms")
         print(f"{p}: " + " | ".join(f"{k} {fmt(m[k])}" for k in shown if k in m)
               + f" | {time.perf_counter() - t0:.1f}s")
-    curves = list(dict.fromkeys(r for r in map(run_dir_of, paths) if r is not None))
+    models = [p for p in paths if p not in BASELINES]
+    curves = list(dict.fromkeys(r for r in map(run_dir_of, models) if r is not None))
     common.atomic_write_text(run.dir / "eval.json", json.dumps(common.jsonable({
         "config": settings.config_to_dict(cfg), "factuality_backend": backend,
-        "models": [{"model": p, "metrics": m} for p, m in results.items()],
+        "models": [{"model": p, "baseline": p in BASELINES, "metrics": m} for p, m in results.items()],
         "hallucination_source": hallucination_source(cfg, {"news_world": news}), "n_docs": len(docs),
         "doc_ids": [d.id for d in docs], "pool": cfg.pool, "curves_from": [str(c) for c in curves],
     }, nonfinite="null"), indent=1, allow_nan=False) + "\n")
@@ -229,6 +257,8 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
 
 if __name__ == "__main__":
     with settings.config_errors_exit():
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            print(COMPARE_HELP)
         _argv, _compare = split_compare(sys.argv[1:])
         _cfg, _ = settings.parse_args(Config, _argv, flags=("--compare",))
     main(_cfg, _compare)

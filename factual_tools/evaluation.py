@@ -6,6 +6,8 @@
 - Decoding: greedy and sampled episodes with the sandbox in the loop, with the
   decode-time tool bans of the ablations (`TagBan`).
 - Loading: trained model directories and the held-out documents of a split.
+- Copying baselines (`BASELINES`): lead-3 and the oracle's best whole sentences, scored
+  by the same figures as a model's greedy episodes (`evaluate_baseline`), no model loaded.
 
 eval.py (the command line, the report and the plots) is the script around this module.
 """
@@ -17,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -37,7 +39,9 @@ KS = (1, 2, 4, 8)
 class Config:
     name: str = "eval"  # run name: outputs go to runs_dir/name
     runs_dir: str = "runs"
-    model: str = "runs/rl_tiny/final"  # trained directory (full weights or a PEFT adapter) or a model preset; --compare overrides
+    # trained directory (full weights or a PEFT adapter), a model preset, or a copying baseline's name
+    # (BASELINES: lead-3, best-extract; a reserved name wins over a directory so named); --compare overrides
+    model: str = "runs/rl_tiny/final"
     base: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # dtype/quant/attention for loading
     docs: str = "out/newsworld/docs.jsonl"  # Document JSONL
     split: str = "out/newsworld/split.json"  # leak-cluster manifest ("" = every document of `docs`)
@@ -626,6 +630,70 @@ def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None,
     with common.autocast_for(cfg.autocast, model):
         out = evaluate(model, tok, documents, cfg, keep)
         return {**out, **decision_probe(model, tok, traces)} if traces else out
+
+
+# ---------------------------------------------------------------------------
+# Copying baselines: rows no model writes
+# ---------------------------------------------------------------------------
+
+
+def lead_3_text(doc, cfg: Config) -> str:
+    """lead-3: the article's first three sentences (`newsworld.oracle.lead(doc, 3)`, the same
+    split), from the text alone, so any article has it, real news included."""
+    return " ".join(textsplit.split_sentences(doc.text)[:3])
+
+
+def best_extract_text(doc, cfg: Config) -> str:
+    """best-extract: the set of at most three whole article sentences within the eval's word
+    budget (`reward.rules.max_words`) whose key-fact coverage is highest, chosen with the
+    oracle's knowledge of the key facts (`newsworld.oracle.best_extract`). Needs the news
+    world's fact table: a document without one is a `data.DataError` naming it."""
+    if not getattr(doc, "facts", None):
+        raise data.DataError(
+            f"the baseline best-extract picks the sentences that state the key facts of a news world fact table "
+            f"(within reward.rules.max_words={cfg.reward.rules.max_words} words); document "
+            f"{getattr(doc, 'id', '?')!r} of {cfg.docs} has none: leave best-extract out of --compare "
+            "(lead-3 needs only the text)")
+    from newsworld import oracle  # the oracle's choice of sentences: a news world feature
+
+    return oracle.best_extract(doc, cfg.reward.rules.max_words)
+
+
+# The copying baselines eval.py evaluates as rows beside the models: name -> function(document,
+# eval Config) -> the summary text. A name here is reserved: in `--compare` (or `model=`) it means
+# the baseline, even where a directory of that name exists. Its episodes are the text run
+# through the sandbox (`baseline_episodes`); no model is loaded.
+BASELINES: dict[str, Callable[[Any, Config], str]] = {"lead-3": lead_3_text, "best-extract": best_extract_text}
+# What only decoding measures: NaN for a baseline
+NOT_DECODED = (*(f"pass_at_{k}" for k in KS), "pass_sampled", "latency_p50_ms", "latency_p95_ms", "tok_s")
+
+
+def baseline_episodes(name: str, documents, cfg: Config) -> list[sandbox.Episode]:
+    """One text-only episode per document: baseline `name`'s text (`BASELINES`) replayed
+    through the sandbox under the eval's limits, `doc_id` set. A `data.DataError` when the
+    baseline cannot serve a document (best-extract without a fact table)."""
+    out = []
+    for d in documents:
+        ep = sandbox.replay(d.text, BASELINES[name](d, cfg), **cfg.limits)
+        ep.doc_id = d.id
+        out.append(ep)
+    return out
+
+
+def evaluate_baseline(name: str, documents, cfg: Config, keep: list | None = None,
+                      episodes: Sequence[sandbox.Episode] | None = None) -> dict:
+    """`evaluate`'s figures for copying baseline `name` (`BASELINES`): its episodes
+    (`baseline_episodes`, or `episodes` when the caller made them) scored by `greedy_eval`
+    as a model's greedy episodes are, so every figure means what it means for a model.
+    Nothing decodes: pass@k, the sampled pass, latency, tok/s (`NOT_DECODED`) and
+    `len_tokens` are NaN. No model is loaded; `keep` as in `evaluate`."""
+    docs = list(documents)
+    made = list(episodes) if episodes is not None else baseline_episodes(name, docs, cfg)
+    out, eps, scores, errors = greedy_eval(None, None, docs, cfg, generate=lambda _: made)
+    out.update(dict.fromkeys(NOT_DECODED, math.nan), n_docs=float(len(docs)))
+    if keep is not None:
+        keep += list(zip(docs, eps, scores, errors))
+    return out
 
 
 DELETE_CALL = '<delete scope="sentence"/>'

@@ -1,6 +1,7 @@
 """eval.py: pass@k against enumeration, hallucination and delete counting on the
 news world, ROUGE wiring, the decode-time tag ban against a policy forced to
-write the tags, and the script end to end (one model, --compare, bad input)."""
+write the tags, the script end to end (one model, --compare, bad input), and the
+copying baselines scored as rows beside the models."""
 import dataclasses
 import itertools
 import json
@@ -587,3 +588,111 @@ def test_coverage_from_the_reward_and_key_fact_coverage_from_the_oracle_whatever
     got = evaluation.greedy_eval(None, None, long_docs, off, generate=_replayed(texts))[0]
     assert math.isnan(got["coverage"]) and got["key_fact_coverage"] == pytest.approx(want)
     assert got["pass"] >= on["pass"]  # F without coverage is precision alone
+
+
+# ---------------------------------------------------------------------------
+# Copying baselines: rows no model writes, scored as a model's are
+# ---------------------------------------------------------------------------
+
+NOT_DECODED = ("pass_at_1", "pass_at_2", "pass_at_4", "pass_at_8", "pass_sampled", "latency_p50_ms", "latency_p95_ms",
+               "tok_s", "len_tokens")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading or decoding a model fails the test: a baseline does neither."""
+    def refuse(*a, **k):
+        raise AssertionError("a copying baseline loaded or ran a model")
+
+    monkeypatch.setattr(evaluation, "load_model", refuse)
+    monkeypatch.setattr(evaluation.modeling, "load_trained", refuse)
+    monkeypatch.setattr(evaluation.rollout, "rollout", refuse)
+
+
+def test_copying_baselines_are_scored_as_a_model_is_without_one(long_docs, no_model):
+    cfg = load_config_file(NEWS_CFG)
+    assert cfg.reward.rules.max_words == 45 and cfg.reward.coverage  # the long task's reward
+    rows, kept = {}, {}
+    for name, make in (("lead-3", lambda d: oracle.lead(d, 3)), ("best-extract", lambda d: oracle.best_extract(d, 45))):
+        kept[name] = keep = []
+        rows[name] = m = evaluation.evaluate_baseline(name, long_docs, cfg, keep)
+        assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
+        texts = [make(d) for d in long_docs]
+        assert [ep.summary for _, ep, _, _ in keep] == texts  # the baseline's text through the sandbox
+        assert [ep.doc_id for _, ep, _, _ in keep] == [d.id for d in long_docs]
+        # every greedy figure is the one a model writing these texts would get
+        same = evaluation.greedy_eval(None, None, long_docs, cfg, generate=_replayed(texts))[0]
+        assert same.keys() <= m.keys() and {k: m[k] for k in same} == pytest.approx(same, nan_ok=True)
+        assert all(math.isnan(m[k]) for k in NOT_DECODED), {k: m[k] for k in NOT_DECODED}  # nothing decodes
+        assert m["copied_sentences"] == 1.0 and m["fact_precision"] > 0.9 and m["searches"] == 0
+        assert m["n_docs"] == 6 and 0 < m["rouge1"] < 1
+    lead, best = rows["lead-3"], rows["best-extract"]
+    assert lead["pass"] == 0 and lead["len_words"] > 45 and lead["rule_length_pass"] < 1  # over the budget
+    assert all(len(textsplit.words(ep.summary)) <= 45 for _, ep, _, _ in kept["best-extract"])  # the budget
+    assert 0 < best["coverage"] < 1 and best["coverage"] == pytest.approx(best["key_fact_coverage"])
+    assert best["key_fact_coverage"] > lead["key_fact_coverage"]  # the oracle's choice covers more
+    assert best["pass"] < 0.6 and lead["pass"] < 0.6  # copying falls below the M2 bar
+
+
+def test_best_extract_takes_the_word_budget_from_the_reward_rules(long_docs):
+    cfg = load_config_file(NEWS_CFG)
+    short = dataclasses.replace(cfg, reward=dataclasses.replace(
+        cfg.reward, rules=dataclasses.replace(cfg.reward.rules, max_words=30)))
+    at45 = [evaluation.BASELINES["best-extract"](d, cfg) for d in long_docs]
+    at30 = [evaluation.BASELINES["best-extract"](d, short) for d in long_docs]
+    assert at45 == [oracle.best_extract(d, 45) for d in long_docs]
+    assert all(len(textsplit.words(t)) <= 30 for t in at30) and at30 != at45
+
+
+def test_best_extract_needs_a_fact_table_lead_3_only_the_text(tmp_path, no_model):
+    real = data.Document(id="acme", text=DOC, summary="Acme reported revenue of $4.2 billion.")  # no fact table
+    cfg = load_config_file(NEWS_CFG)
+    assert evaluation.BASELINES["lead-3"](real, cfg) == oracle.lead(real, 3) == " ".join(
+        textsplit.split_sentences(DOC)[:3])
+    with pytest.raises(data.DataError, match="best-extract.*'acme'.*lead-3"):
+        evaluation.BASELINES["best-extract"](real, cfg)
+    path = tmp_path / "real.jsonl"
+    data.write_jsonl(str(path), [real])
+    base = ["--config", str(NEWS_CFG), f"runs_dir={tmp_path / 'runs'}", f"docs={path}", "split=", "n_samples=0",
+            "latency_docs=0", "reward.factuality=lexical", "reward.coverage=false"]
+    with pytest.raises(SystemExit, match="best-extract.*'acme'.*" + re.escape(str(path))):
+        E.main(settings.load_config(E.Config, [*base, "name=no_facts"]), ["lead-3", "best-extract"])
+    assert not (tmp_path / "runs" / "no_facts").exists()  # stopped before the run began
+    m = E.main(settings.load_config(E.Config, [*base, "name=lead"]), ["lead-3"])["lead-3"]
+    assert m["news_world"] == 0 and m["copied_sentences"] == 1.0 and m["rouge1"] > 0
+    assert math.isnan(m["coverage"]) and "key_fact_coverage" not in m  # no fact table, no key facts
+
+
+def test_main_compares_baselines_beside_a_model_and_reserved_names_win(world, long_docs, tmp_path, monkeypatch,
+                                                                        capsys):
+    root, _ = world
+    path = tmp_path / "long.jsonl"
+    data.write_jsonl(str(path), long_docs)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(root / "model_a", tmp_path / "lead-3")  # a model so named: the reserved name means the baseline,
+    model = "./lead-3"                                        # the path the directory
+    loaded, real = [], evaluation.load_model
+    monkeypatch.setattr(evaluation, "load_model", lambda p, cfg: loaded.append(p) or real(p, cfg))
+    cfg = settings.load_config(E.Config, [
+        "--config", str(NEWS_CFG), f"runs_dir={tmp_path / 'runs'}", "name=baselines", f"docs={path}", "split=",
+        "n_samples=0", "latency_docs=0", "max_new_tokens=8", "torch_threads=1"])
+    E.main(cfg, ["lead-3", "best-extract", model])
+    assert loaded == [model]  # only the model directory was loaded
+    printed = capsys.readouterr().out
+    for name in ("lead-3", "best-extract"):
+        line = next(x for x in printed.splitlines() if x.startswith(f"{name}: "))
+        assert all(f" {k} " in f" {line}" for k in ("fact_precision", "coverage", "key_fact_coverage", "pass",
+                                                      *evaluation.ORACLE_FREE)), line
+    got = json.loads((tmp_path / "runs" / "baselines" / "eval.json").read_text())
+    assert [x["model"] for x in got["models"]] == ["lead-3", "best-extract", model]
+    assert [x["baseline"] for x in got["models"]] == [True, True, False]
+    lead, best, tiny = (x["metrics"] for x in got["models"])
+    for m in (lead, best):
+        assert set(REQUIRED) <= set(m) and all(m[k] is None for k in NOT_DECODED)  # n/a, not a number
+    assert lead["pass"] == 0 and lead["len_words"] > 45 and best["len_words"] <= 45 and best["coverage"] < 1
+    assert tiny["len_tokens"] > 0 and tiny["key_fact_coverage"] is not None
+    report = (tmp_path / "runs" / "baselines" / "report.md").read_text()
+    quality = report.split("## Quality")[1].split("##")[0]
+    assert all(f"| {p} |" in quality for p in ("lead-3", "best-extract", model))
+    assert all(f" {k} |" in quality for k in ("fact_precision", "coverage", "key_fact_coverage"))
+    assert all(name in E.__doc__ and name in E.split_compare.__doc__ for name in evaluation.BASELINES)
