@@ -8,8 +8,11 @@ other roles (last year's revenue, a rival's bid), so careless copying errs.
 Article i depends only on (seed, i): `documents(n, seed)` and
 `world_document(seed, i)` are the entry points; `python -m newsworld generate` writes
 them as Document JSONL. `oracle.py` checks any summary against the fact table.
+`task="long"` gives the long task instead (LONG_WORDS below): news-length articles
+whose key facts sit in joined sentences, and a reference that fuses them into a word
+budget, so no copy of whole sentences states them (docs/long_task.md).
 
-Its values, names and family building blocks are in `vocab.py`. Stdlib only (no torch, no numpy).
+Its values, names and family building blocks are in `vocab.py`. No torch, no numpy.
 """
 from __future__ import annotations
 
@@ -786,7 +789,7 @@ CONTEXT: dict[str, tuple[tuple[str, str], ...]] = {
 # The long task's padding: lines any news story may carry, with no entity, number or date
 # (context sentences for every family, after its own), each identified by one phrase.
 GENERIC: tuple[tuple[str, str], ...] = (
-    ("request for comment", "A spokesperson did not immediately respond to a request for comment."),
+    ("spokesperson said", "A spokesperson said more information would be shared later."),
     ("statement released", "The announcement was made in a statement released late in the day."),
     ("familiar with the matter", "People familiar with the matter said more news could follow."),
     ("first reported", "Local media first reported the news earlier in the week."),
@@ -901,18 +904,15 @@ KEY_FACTS = (3, 5)
 # leak-guard features (same family), retold ones 0.47 or more, so `data.py split` runs at this.
 LONG_SPLIT_THRESHOLD = 0.38
 _JOINS = ("while", "and", "as")
-# Capitalised words that may open a joined sentence and are not names: lower-cased after the join.
-_LOWER_OK = frozenset("A An The In On For At That Analysts Net Shares Revenue Members Work Building Officials "
-                      "Mayor Rival Investors Half Fans Both Polls Schools Emergency Forecasters Early Residents "
-                      "Higher Integration Legal Founded Turnout Voters Its It Under Police Damage Power About "
-                      "More Some Most Critics Supporters Observers Uncertainty Local People Prices Sales "
-                      "Quarterly Demand Talks Ticket Orders".split())
+# Words that keep their capital when a sentence is joined after another: titles and months.
+_KEEP_CAPITAL = frozenset(MONTHS) | {"Dr.", "Mayor", "I"}
 
 
-def _join(a: str, b: str, how: str) -> str:
-    """Two sentences as one: `a`, then `how`, then `b` (its first word lower-cased unless a name)."""
+def _join(a: str, b: str, how: str, names: Iterable[str]) -> str:
+    """Two sentences as one: `a`, then `how`, then `b`, its first word lower-cased unless
+    it opens one of the article's `names` (or is a title or a month)."""
     first = b.split(" ", 1)[0]
-    if first in _LOWER_OK:
+    if first not in _KEEP_CAPITAL and not any(n.split(" ", 1)[0] == first for n in names):
         b = first.lower() + b[len(first):]
     return f"{a.rstrip('.')}, {how} {b}"
 
@@ -960,6 +960,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "sh
         groups = _long_groups(lead, need, rest, sr.sample(generic, len(generic)), sr)
 
     verbs = choose_verbs(facts, sr)
+    names = {getattr(f, a).name for f in facts.values() for a in ENTITY_ATTRS if getattr(f, a) is not None}
     sentences, stated = [], {}
     for idx, group in enumerate(groups):
         parts = []
@@ -969,7 +970,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "sh
             parts.append(text)
             for role in list(spec.roles) + kept:
                 stated.setdefault(role, idx)
-        sentences.append(parts[0] if len(parts) == 1 else _join(parts[0], parts[1], sr.choice(_JOINS)))
+        sentences.append(parts[0] if len(parts) == 1 else _join(parts[0], parts[1], sr.choice(_JOINS), names))
     if task == "long":
         sentences = _pad(sentences, context, facts, stated, sr)
 
