@@ -359,7 +359,7 @@ def news_model(run: str, seed: int) -> str:
 
 def news_stages(seeds: int = 1) -> list[Stage]:
     """The long task's chain for `seeds` seeds: the world; the zero-shot model and the
-    copying baselines (shared); per seed the traces, the corpus, each phase's training
+    copying baselines (shared); per seed the rule drafter's traces, the corpus, each phase's training
     (NEWS_PHASES; --full adds A, B and D's ablations), the student and the evaluations,
     one eval.py call per decode-time tool setting."""
     zero_shot = Stage("zero_shot", ["eval.py", "--config", "configs/eval_news.yaml", "name=eval_news_zero_shot",
@@ -368,14 +368,14 @@ def news_stages(seeds: int = 1) -> list[Stage]:
     stages = [*LONG_WORLD, zero_shot]
     for s in range(seeds):
         x = suffix(s)
-        traces, rules, corpus = f"out/traces/news{x}.jsonl", f"out/traces/rules_news{x}.jsonl", f"out/corpus/news{x}"
-        corpus_over = [f"traces=[{traces},{rules}]", f"out_dir={corpus}"] if s else []
+        # the rule drafter's traces only: SmolLM2's own drafts of long articles copy the lead
+        # (configs/synth_rules_news.yaml); configs/synth_news.yaml still writes them on request
+        rules, corpus = f"out/traces/rules_news{x}.jsonl", f"out/corpus/news{x}"
+        corpus_over = [f"traces=[{rules}]", f"out_dir={corpus}"] if s else []
         data_over = [f"data.train={corpus}/train.jsonl", f"data.eval={corpus}/eval.jsonl"] if s else []
         stages += [
-            Stage("traces", ["synth_traces.py", "--config", "configs/synth_news.yaml", *seeded(s, f"out_path={traces}")],
-                  traces, seed=s),
-            Stage("traces_rules", ["synth_traces.py", "--config", "configs/synth_rules_news.yaml",
-                                   *seeded(s, f"out_path={rules}")], rules, seed=s),
+            Stage("traces", ["synth_traces.py", "--config", "configs/synth_rules_news.yaml",
+                             *seeded(s, f"out_path={rules}")], rules, seed=s),
             Stage("corpus", ["filter_traces.py", "--config", "configs/filter_news.yaml", *corpus_over],
                   f"{corpus}/train.jsonl", seed=s),
         ]
