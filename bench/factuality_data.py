@@ -47,36 +47,40 @@ def detokenize(text: str) -> str:
     return re.sub(r"\s+", " ", t).strip()
 
 
-def _git(repo: Path, *args: str, stdin: str | None = None) -> str:
+def git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:
+    """`git -C repo ARGS` with `stdin`: its stdout, or an exit naming what failed."""
     try:
-        res = subprocess.run(["git", "-C", str(repo), *args], input=stdin, capture_output=True, text=True)
+        res = subprocess.run(["git", "-C", str(repo), *args], input=stdin, capture_output=True)
     except FileNotFoundError:
-        raise SystemExit("--convert-frank needs git on PATH") from None
+        raise SystemExit("reading FRANK needs git on PATH") from None
     if res.returncode:
-        raise SystemExit(f"git {' '.join(args[:2])} in {repo} failed: {res.stderr.strip().splitlines()[-1:]}\n"
+        raise SystemExit(f"git {' '.join(args[:2])} in {repo} failed: {res.stderr.decode().strip()[-300:]}\n"
                          "is it a full clone of https://github.com/artidoro/frank (with its history)?")
     return res.stdout
+
+
+def read_articles(repo: Path, hashes: list[str], commit: str = FRANK_ARTICLES_COMMIT) -> dict[str, dict]:
+    """FRANK's article records of `hashes` at `commit`, in one `git cat-file --batch`."""
+    spec = "".join(f"{commit}:{FRANK_ARTICLES_DIR}/{h}.json\n" for h in hashes).encode()
+    raw = git(repo, "cat-file", "--batch", stdin=spec)
+    out, pos = {}, 0
+    for h in hashes:
+        end = raw.index(b"\n", pos)
+        header = raw[pos:end].decode().split()
+        if header[-1] == "missing":
+            raise SystemExit(f"{repo}: {FRANK_ARTICLES_DIR}/{h}.json is missing at {commit[:10]} "
+                             "(a shallow clone lacks it: clone without --depth)")
+        size = int(header[2])
+        out[h] = json.loads(raw[end + 1:end + 1 + size])
+        pos = end + 1 + size + 1
+    return out
 
 
 def convert_frank(repo: str | Path, articles_commit: str = FRANK_ARTICLES_COMMIT) -> list[dict]:
     """Records from a clone of artidoro/frank (labels at HEAD, articles at `articles_commit`)."""
     repo = Path(repo)
-    labels = json.loads(_git(repo, "show", f"HEAD:{FRANK_LABELS}"))
-    hashes = sorted({r["hash"] for r in labels})
-    # One `git cat-file --batch` for all 499 articles.
-    spec = "".join(f"{articles_commit}:{FRANK_ARTICLES_DIR}/{h}.json\n" for h in hashes)
-    raw = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch"], input=spec.encode(),
-                         capture_output=True).stdout
-    articles, pos = {}, 0
-    for h in hashes:
-        end = raw.index(b"\n", pos)
-        header = raw[pos:end].decode().split()
-        if header[-1] == "missing":
-            raise SystemExit(f"{repo}: {FRANK_ARTICLES_DIR}/{h}.json is missing at {articles_commit[:10]}; "
-                             "a shallow clone lacks it: clone without --depth")
-        size = int(header[2])
-        articles[h] = json.loads(raw[end + 1:end + 1 + size])
-        pos = end + 1 + size + 1
+    labels = json.loads(git(repo, "show", f"HEAD:{FRANK_LABELS}"))
+    articles = read_articles(repo, sorted({r["hash"] for r in labels}), articles_commit)
     out = []
     for r in labels:
         art, system = articles[r["hash"]], r["model_name"]

@@ -21,19 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-FRANK_ARTICLES_COMMIT = "6308064d4b42b5e613add40bad0c425675dea01b"  # the last with the articles
-FRANK_ARTICLES_DIR = "data/articles-wbertscore-json"
-FRANK_LABELS = "data/human_annotations.json"
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
+from factuality_data import FRANK_ARTICLES_COMMIT, FRANK_LABELS, SPLITS, git, read_articles  # noqa: E402
+
 REFERENCE = "bart_reference"  # the CNN/DM highlights as cased text (the other *_reference fields are lower-cased)
-SPLITS = {"valid": "dev", "test": "test"}
 
 
 def detokenize(text: str) -> str:
-    """Undo PTB-style tokenisation: "it 's a `` test '' -lrb- really -rrb- ." -> "it's a "test" (really)."."""
+    """Undo PTB-style tokenisation: "it 's a `` test '' -lrb- really -rrb- ." -> "it's a "test" (really)."."
+    The references are cased, so unlike bench/factuality_data.detokenize (lower-cased system
+    outputs) it also reads -LRB-, N'T and a space after a pound or euro sign."""
     t = re.sub(r"-lrb-", "(", text, flags=re.I)
     t = re.sub(r"-rrb-", ")", t, flags=re.I).replace("``", '"').replace("''", '"')
     t = re.sub(r"\s+(['’](?:s|re|ve|ll|d|m)\b|n['’]t\b)", r"\1", t, flags=re.I)
@@ -41,34 +41,6 @@ def detokenize(text: str) -> str:
     t = re.sub(r"([(\[$£€])\s+", r"\1", t)
     t = re.sub(r'"\s+(.*?)\s+"', r'"\1"', t)
     return re.sub(r"\s+", " ", t).strip()
-
-
-def git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:
-    try:
-        res = subprocess.run(["git", "-C", str(repo), *args], input=stdin, capture_output=True)
-    except FileNotFoundError:
-        raise SystemExit("git is needed on PATH") from None
-    if res.returncode:
-        raise SystemExit(f"git {' '.join(args[:2])} in {repo} failed: {res.stderr.decode().strip()[-300:]}\n"
-                         "is it a full clone of https://github.com/artidoro/frank (with its history)?")
-    return res.stdout
-
-
-def read_articles(repo: Path, hashes: list[str], commit: str) -> dict[str, dict]:
-    """The article records of `hashes` at `commit`, in one `git cat-file --batch`."""
-    spec = "".join(f"{commit}:{FRANK_ARTICLES_DIR}/{h}.json\n" for h in hashes).encode()
-    raw = git(repo, "cat-file", "--batch", stdin=spec)
-    out, pos = {}, 0
-    for h in hashes:
-        end = raw.index(b"\n", pos)
-        header = raw[pos:end].decode().split()
-        if header[-1] == "missing":
-            raise SystemExit(f"{repo}: {FRANK_ARTICLES_DIR}/{h}.json is missing at {commit[:10]} "
-                             "(a shallow clone lacks it: clone without --depth)")
-        size = int(header[2])
-        out[h] = json.loads(raw[end + 1:end + 1 + size])
-        pos = end + 1 + size + 1
-    return out
 
 
 def documents(repo: Path, commit: str = FRANK_ARTICLES_COMMIT) -> list[dict]:
