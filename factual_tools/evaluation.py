@@ -638,9 +638,9 @@ def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None,
 
 
 def lead_3_text(doc, cfg: Config) -> str:
-    """lead-3: the article's first three sentences (`newsworld.oracle.lead(doc, 3)`, the same
-    split), from the text alone, so any article has it, real news included."""
-    return " ".join(textsplit.split_sentences(doc.text)[:3])
+    """lead-3: the article's first three sentences (`textsplit.lead`), from the text alone,
+    so any article has it, real news included."""
+    return textsplit.lead(doc.text, 3)
 
 
 def best_extract_text(doc, cfg: Config) -> str:

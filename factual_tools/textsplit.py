@@ -111,3 +111,8 @@ def _add_span(text: str, a: int, b: int, spans: list[tuple[int, int]]) -> None:
 def split_sentences(text: str) -> list[str]:
     """The sentences of `text` (see `sentence_spans`)."""
     return [text[a:b] for a, b in sentence_spans(text)]
+
+
+def lead(text: str, n: int = 3) -> str:
+    """The first `n` sentences of `text`: the copying baseline lead-n."""
+    return " ".join(split_sentences(text)[:n])

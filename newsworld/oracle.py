@@ -598,11 +598,6 @@ def key_fact_coverage(doc: Document, summary: str) -> float:
     return sum(stated.values()) / len(stated) if stated else 0.0
 
 
-def lead(doc: Document, n: int = 3) -> str:
-    """The copying baseline lead-n: the article's first `n` sentences."""
-    return " ".join(textsplit.split_sentences(doc.text)[:n])
-
-
 def best_extract(doc: Document, budget: int, most: int = 3) -> str:
     """The copying baseline with the oracle's knowledge: the set of at most `most` whole
     article sentences, each stating a key fact, within `budget` words, whose key-fact

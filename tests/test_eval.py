@@ -579,7 +579,7 @@ def _replayed(texts):
 
 def test_coverage_from_the_reward_and_key_fact_coverage_from_the_oracle_whatever_the_reward(long_docs):
     cfg = load_config_file(NEWS_CFG)
-    texts = [oracle.lead(d, 3) for d in long_docs]
+    texts = [textsplit.lead(d.text, 3) for d in long_docs]
     want = sum(oracle.key_fact_coverage(d, t) for d, t in zip(long_docs, texts)) / len(texts)
     assert 0 < want < 1
     on = evaluation.greedy_eval(None, None, long_docs, cfg, generate=_replayed(texts))[0]
@@ -613,7 +613,7 @@ def test_copying_baselines_are_scored_as_a_model_is_without_one(long_docs, no_mo
     cfg = load_config_file(NEWS_CFG)
     assert cfg.reward.rules.max_words == 45 and cfg.reward.coverage  # the long task's reward
     rows, kept = {}, {}
-    for name, make in (("lead-3", lambda d: oracle.lead(d, 3)), ("best-extract", lambda d: oracle.best_extract(d, 45))):
+    for name, make in (("lead-3", lambda d: textsplit.lead(d.text, 3)), ("best-extract", lambda d: oracle.best_extract(d, 45))):
         kept[name] = keep = []
         rows[name] = m = evaluation.evaluate_baseline(name, long_docs, cfg, keep)
         assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
@@ -647,7 +647,7 @@ def test_best_extract_takes_the_word_budget_from_the_reward_rules(long_docs):
 def test_best_extract_needs_a_fact_table_lead_3_only_the_text(tmp_path, no_model):
     real = data.Document(id="acme", text=DOC, summary="Acme reported revenue of $4.2 billion.")  # no fact table
     cfg = load_config_file(NEWS_CFG)
-    assert evaluation.BASELINES["lead-3"](real, cfg) == oracle.lead(real, 3) == " ".join(
+    assert evaluation.BASELINES["lead-3"](real, cfg) == textsplit.lead(real.text, 3) == " ".join(
         textsplit.split_sentences(DOC)[:3])
     with pytest.raises(data.DataError, match="best-extract.*'acme'.*lead-3"):
         evaluation.BASELINES["best-extract"](real, cfg)

@@ -889,7 +889,7 @@ def _long_audit(doc):
         # the ritual the short world paid for: copy, search it, delete it, write it again
         "copy, search, rewrite": sandbox.replay(doc.text, f'{lead}<search>{lead}</search><delete scope="sentence"/>'
                                                           f"{lead}"),
-        "lead-3": oracle.lead(doc, 3),
+        "lead-3": textsplit.lead(doc.text, 3),
         "best whole sentences": oracle.best_extract(doc, 45),
         "vague": "The company announced an important development that drew a mixed reaction from observers, "
                  "and more details about what it means are expected to be published in the coming weeks.",
