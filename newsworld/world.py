@@ -944,8 +944,8 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "sh
     # The article: the lead, the sentences that state key facts, then distractors
     # first (careless copying should have something to err on) and the rest.
     lead = family.lead[0]
-    body = list(family.body) + [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(context))
-                                if k < len(CONTEXT[family.name])]
+    own = len(CONTEXT[family.name])  # the family's context lines; the long task's GENERIC ones follow
+    body = list(family.body) + [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(own)]
     need = [s for s in body if set(s.roles) & key_roles]
     rest = [s for s in body if s not in need]
     sr.shuffle(rest)
@@ -956,7 +956,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "sh
         sr.shuffle(chosen)
         groups = [[spec] for spec in [lead] + chosen]
     else:
-        generic = [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(len(CONTEXT[family.name]), len(context))]
+        generic = [Sent((f"ctx{k}",), ("{ctx%d.text}" % k,)) for k in range(own, len(context))]
         groups = _long_groups(lead, need, rest, sr.sample(generic, len(generic)), sr)
 
     verbs = choose_verbs(facts, sr)
@@ -972,7 +972,7 @@ def world_document(seed: int, i: int, retell_rate: float = 0.08, task: str = "sh
                 stated.setdefault(role, idx)
         sentences.append(parts[0] if len(parts) == 1 else _join(parts[0], parts[1], sr.choice(_JOINS), names))
     if task == "long":
-        sentences = _pad(sentences, context, facts, stated, sr)
+        sentences = _pad(sentences, [f"ctx{k}" for k in range(own, len(context))], facts, stated, sr)
 
     order = sorted(stated, key=lambda role: (stated[role], list(facts).index(role)))
     table = [fact_to_dict(f"f{k}", family.name, role, facts[role], stated[role], role in key_roles)
@@ -1037,21 +1037,21 @@ def _long_groups(lead: Sent, need: list[Sent], rest: list[Sent], generic: list[S
     return [[lead, partners.pop()]] + groups
 
 
-def _pad(sentences: list[str], context: tuple, facts: dict[str, DraftFact], stated: dict[str, int],
+def _pad(sentences: list[str], generic: list[str], facts: dict[str, DraftFact], stated: dict[str, int],
          sr: random.Random) -> list[str]:
-    """The long task's sentences padded to a drawn length with the GENERIC context lines that
-    are not in yet, each inserted at a random place after the lead (fact indices follow)."""
+    """The long task's sentences padded to a drawn length with the GENERIC context lines
+    (their roles: `generic`) that are not in yet, each inserted at a random place after the
+    lead (fact indices follow)."""
     target = sr.randint(*LONG_WORDS)
-    first = len(context) - len(GENERIC)
-    spare = [k for k in range(first, len(context)) if f"ctx{k}" not in stated]
+    spare = [role for role in generic if role not in stated]
     sr.shuffle(spare)
     out = list(sentences)
     roles_at = [[r for r, j in stated.items() if j == idx] for idx in range(len(out))]
     while spare and sum(_n_words(s) for s in out) < target:
-        k = spare.pop()
+        role = spare.pop()
         at = sr.randint(1, len(out))
-        out.insert(at, facts[f"ctx{k}"].extra["text"])
-        roles_at.insert(at, [f"ctx{k}"])
+        out.insert(at, facts[role].extra["text"])
+        roles_at.insert(at, [role])
     for idx, roles in enumerate(roles_at):
         for role in roles:
             stated[role] = idx
