@@ -347,10 +347,10 @@ NEWS_STUDENT = "E: student (no tools)"
 NEWS_ZERO_SHOT = ("zero-shot (no tools)", "out/models/smollm2-135m")
 # model names eval.py takes in place of a directory: the copying baselines, no model behind them
 NEWS_BASELINES = (("copy: lead-3", "lead-3"), ("copy: best whole sentences (oracle)", "best-extract"))
-NEWS_ROWS = [*(label for label, _ in NEWS_BASELINES), NEWS_ZERO_SHOT[0], "A: RL, rules only (no tools)",
-             "B: RL + factuality (no tools)", "B+ start: SFT, tools stripped", "B+: SFT stripped -> RL (no tools)",
-             "C: SFT (tools)", "D: Dr. GRPO (tools)", NEWS_STUDENT, "D without delete", "D without search",
-             "D without budget"]
+NEWS_LABEL = {ph.stage: ph.label for ph in NEWS_PHASES}  # a phase's table row, by its stage
+NEWS_ROWS = [*(label for label, _ in NEWS_BASELINES), NEWS_ZERO_SHOT[0],
+             *(NEWS_LABEL[s] for s in ("rl_a", "rl_b", "sft_plain", "rl_bplus", "sft", "rl")), NEWS_STUDENT,
+             *(NEWS_LABEL[f"rl_no_{t}"] for t in ("delete", "search", "budget"))]
 
 
 def news_model(run: str, seed: int) -> str:
@@ -850,15 +850,13 @@ def news_headline(models: dict[str, dict], distills: list[dict], seeds: int = 1,
         lines.append(f"| {label} | " + " | ".join(_seed_cell([m.get(k) for m in ms], f) for _, k, f in NEWS_COLUMNS)
                      + " |")
     mean = {label: mean_metrics(ms) for label, ms in per.items()}
-    A, B, Bp, C, D = (mean.get(k, {}) for k in ("A: RL, rules only (no tools)", "B: RL + factuality (no tools)",
-                                                "B+: SFT stripped -> RL (no tools)", "C: SFT (tools)",
-                                                "D: Dr. GRPO (tools)"))
+    A, B, Bp, C, D = (mean.get(NEWS_LABEL[s], {}) for s in ("rl_a", "rl_b", "rl_bplus", "sft", "rl"))
     fig = {"factuality_backend": backend, "seeds": seeds, "rows": mean, "per_seed": per}
     student = [{"teacher": models[news_model("rl_news", s)], "student": models[news_model("distill_news", s)]}
                for s in range(seeds) if news_model("rl_news", s) in models and news_model("distill_news", s) in models]
     table, marks = distillation(student, "teacher (D, tools)")
     lines += table
-    d_label, bp_label = "D: Dr. GRPO (tools)", "B+: SFT stripped -> RL (no tools)"
+    d_label, bp_label = NEWS_LABEL["rl"], NEWS_LABEL["rl_bplus"]
     pass_shown, pass_ok = _beats(per, d_label, bp_label, "pass")
     hall_shown, hall_ok = _beats(per, d_label, bp_label, "hallucination_rate", lower=True)
     claim = [
@@ -870,7 +868,7 @@ def news_headline(models: dict[str, dict], distills: list[dict], seeds: int = 1,
          _ge(D.get("evidence_use"), 0.90)),
     ]
     for t in ("search", "delete"):
-        shown, ok = _beats(per, d_label, f"D without {t}", "pass")
+        shown, ok = _beats(per, d_label, NEWS_LABEL[f"rl_no_{t}"], "pass")
         claim.append((f"D without {t} falls below D on combined pass, beyond both spreads (--full)", shown, ok))
     copies = [mean.get(label, {}).get("pass") for label, _ in NEWS_BASELINES]
     claim.append(("the copying baselines fail M2 (combined pass < 60%)", " and ".join(_pct(x) for x in copies),
