@@ -167,6 +167,18 @@ def hallucination_source(cfg: Config, metrics: dict) -> str:
     return f"{rewards.BACKEND_NAMES[cfg.reward.factuality]} claims scored below {cfg.claim_tau}"
 
 
+def write_episodes(run_dir, kept: dict[str, list]) -> None:
+    """episodes.jsonl: every greedy episode of each model, a line per (model, document) in
+    evaluation order: the episode as the sandbox keeps it (tool calls, results, retracted
+    text), its reward terms and the oracle's errors (null without a fact table). The figures'
+    evidence: read the summaries behind a number, or reread them with another measure."""
+    lines = [json.dumps(common.jsonable({"model": name, "doc_id": doc.id, "score": score, "errors": errors,
+                                          "episode": ep.to_dict()}, nonfinite="null"), ensure_ascii=False,
+                        allow_nan=False)
+             for name, items in kept.items() for doc, ep, score, errors in items]
+    common.atomic_write_text(Path(run_dir) / "episodes.jsonl", "".join(line + "\n" for line in lines))
+
+
 def write_samples(run_dir, kept: dict[str, list], n: int) -> None:
     """samples.html: the first `n` greedy episodes of each model, oracle errors marked."""
     samples = []
@@ -250,8 +262,9 @@ def main(cfg: Config, compare: Sequence[str] = ()) -> dict:
         "doc_ids": [d.id for d in docs], "pool": cfg.pool, "curves_from": [str(c) for c in curves],
     }, nonfinite="null"), indent=1, allow_nan=False) + "\n")
     write_report(run.dir, results, cfg, curves)
+    write_episodes(run.dir, kept)
     write_samples(run.dir, kept, cfg.html_samples)
-    print(f"wrote {run.dir}/eval.json, report.md, metrics.png, samples.html")
+    print(f"wrote {run.dir}/eval.json, report.md, metrics.png, samples.html, episodes.jsonl")
     return results
 
 

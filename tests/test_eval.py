@@ -481,6 +481,15 @@ def test_main_writes_every_metric_report_plots_and_samples(world, capsys):
     html = (out / "samples.html").read_text()
     assert html.count("class='trace'") == 2  # html_samples per model
     assert html.count("clean (oracle)") + html.count("class='noise'") == 2  # each marked by the oracle
+    rows = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["doc_id"]) for r in rows] == [(cfg.model, i) for i in got["doc_ids"]]  # every document
+    docs = {d.id: d for d in data.read_documents(str(root / "docs.jsonl"))}
+    for r in rows:
+        ep = S.Episode.from_dict(r["episode"])  # the episode itself, tool calls and all
+        assert ep.doc_id == r["doc_id"] and ep.document == docs[r["doc_id"]].text
+        assert r["errors"] == oracle.oracle_errors(docs[r["doc_id"]], ep.summary)  # the oracle's reading
+        assert {"total", "pass", "factuality"} <= set(r["score"])  # the reward terms the figures average
+    assert m["pass"] == pytest.approx(sum(r["score"]["pass"] for r in rows) / len(rows))  # the figure's rows
 
 
 def test_no_samples_skips_the_sampled_pass_and_reports_pass_at_k_as_na(world, monkeypatch):
