@@ -4,6 +4,7 @@
     python -m newsworld generate --n 5 --seed 0            # to stdout
     python -m newsworld generate --n 1000 --seed 0 --task long --out out/newsworld/long.jsonl
     python -m newsworld stats out/newsworld/docs.jsonl     # counts, lengths, drafter/oracle agreement
+    python -m newsworld errors runs/eval_news              # errors by type and by distance to the fact
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Callable, Sequence
 
 import data
 import newsworld
-from newsworld import oracle
+from newsworld import errors, oracle
 
 
 def cmd_generate(args) -> int:
@@ -49,6 +50,14 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_errors(args) -> int:
+    for run in args.runs:
+        breakdown = errors.write_breakdown(run)
+        print(f"# Errors of {run}\n\n" + errors.markdown(breakdown))
+        print(f"newsworld: wrote {run}/errors.json", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m newsworld", description="The built-in news world.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -69,10 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--map", default=None, help="field mapping for foreign JSONL, e.g. text=article")
     st.add_argument("--limit", type=int, default=None)
     st.add_argument("--skip-bad", action="store_true", help="skip (and count) malformed lines")
+
+    er = sub.add_parser("errors", help="an evaluation's oracle errors by type and by distance (words) to the "
+                                       "supporting sentence, in the article or a search result")
+    er.add_argument("runs", nargs="+", metavar="RUN_DIR", help="eval.py run directory (eval.json, episodes.jsonl)")
     return p
 
 
-COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "stats": cmd_stats}
+COMMANDS: dict[str, Callable] = {"generate": cmd_generate, "stats": cmd_stats, "errors": cmd_errors}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
