@@ -267,7 +267,7 @@ _DELETE_SCOPE = regex.compile(r"""scope\s*=\s*["']?([^"'\s/>]*)""")
 # Markup of this protocol anywhere in model-written text (never summary text).
 _MARKUP = regex.compile(r"</?\s*(?:search|results|delete|error)\b[^<>]{0,200}>|</?\d{1,3}>")
 # An opening that was never closed when the text ended.
-_DANGLING = regex.compile(r"<\s*(?:search|results|delete|error)\b(?![^<>]*>)[^<>]*$|<search>(?!.*</search>).*$",
+DANGLING = regex.compile(r"<\s*(?:search|results|delete|error)\b(?![^<>]*>)[^<>]*$|<search>(?!.*</search>).*$",
                           regex.S)
 _MAX_TAG = 80  # longest tail to re-scan for a stop marker
 
@@ -1071,7 +1071,7 @@ class EpisodeBuilder:
         pos = 0
         junk = list(_MARKUP.finditer(text, 0, body_end))
         if final:
-            d = _DANGLING.search(text, 0, body_end)
+            d = DANGLING.search(text, 0, body_end)
             if d:
                 junk = [m for m in junk if m.start() < d.start()] + [d]
                 self.episode.flags["dangling"] = True
@@ -1139,7 +1139,7 @@ class EpisodeBuilder:
         text, _ = self.stream.summary_runs()
         # Markup can still form across turns ("<" carried by a stopping token,
         # then "search>"): it is never summary text, and it is a format error.
-        clean = _DANGLING.sub(" ", _MARKUP.sub(" ", text))
+        clean = DANGLING.sub(" ", _MARKUP.sub(" ", text))
         if clean != text:
             self.episode.flags["junk"] = self.episode.flags.get("junk", 0) + 1
         return " ".join(clean.split())

@@ -153,6 +153,17 @@ def test_a_call_completed_by_the_last_token_of_a_truncated_episode_is_not_run():
     assert NE.replayed_context(ep)[1] == LEAD and where(NE.sentence_records(DOC, ep)) == [(280, "article", "150-300")]
 
 
+def test_a_search_left_open_at_the_token_limit_is_no_summary_text():
+    # The limit cut the key: the sandbox drops the open tag and its words from the summary (dangling).
+    b = S.EpisodeBuilder(DOC.text, [], None)
+    for ch in f"{LEAD}<search>Pinnacle Capital led":
+        b.push(ord(ch))
+    b.end_turn("truncated")
+    ep = b.finish()
+    assert ep.flags.get("dangling") and ep.summary == LEAD
+    assert where(NE.sentence_records(DOC, ep)) == [(280, "article", "150-300")]  # located, not "unlocated"
+
+
 # --- a run directory --------------------------------------------------------------------------
 
 
