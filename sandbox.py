@@ -265,7 +265,7 @@ _DELETE_TAG = regex.compile(r"<delete\b[^<>]{0,64}/>")
 _DELETE_STRICT = regex.compile(r'<delete\s+scope\s*=\s*"([^"<>]*)"\s*/>')
 _DELETE_SCOPE = regex.compile(r"""scope\s*=\s*["']?([^"'\s/>]*)""")
 # Markup of this protocol anywhere in model-written text (never summary text).
-_MARKUP = regex.compile(r"</?\s*(?:search|results|delete|error)\b[^<>]{0,200}>|</?\d{1,3}>")
+MARKUP = regex.compile(r"</?\s*(?:search|results|delete|error)\b[^<>]{0,200}>|</?\d{1,3}>")
 # An opening that was never closed when the text ended.
 DANGLING = regex.compile(r"<\s*(?:search|results|delete|error)\b(?![^<>]*>)[^<>]*$|<search>(?!.*</search>).*$",
                           regex.S)
@@ -314,7 +314,7 @@ def parse_call(text: str, end: int) -> Call:
         if open_ < 0:
             return Call("search", close, end, None, False, "malformed search: </search> without <search>")
         query = text[open_ + len(SEARCH_OPEN):close]
-        if _MARKUP.search(query):
+        if MARKUP.search(query):
             return Call("search", open_, end, query, False, "malformed search: markup inside the query")
         return Call("search", open_, end, query, True)
     m = None
@@ -1069,7 +1069,7 @@ class EpisodeBuilder:
         spans: list[tuple[int, int, str]] = []
         body_end = call.start if call else len(text)
         pos = 0
-        junk = list(_MARKUP.finditer(text, 0, body_end))
+        junk = list(MARKUP.finditer(text, 0, body_end))
         if final:
             d = DANGLING.search(text, 0, body_end)
             if d:
@@ -1139,7 +1139,7 @@ class EpisodeBuilder:
         text, _ = self.stream.summary_runs()
         # Markup can still form across turns ("<" carried by a stopping token,
         # then "search>"): it is never summary text, and it is a format error.
-        clean = DANGLING.sub(" ", _MARKUP.sub(" ", text))
+        clean = DANGLING.sub(" ", MARKUP.sub(" ", text))
         if clean != text:
             self.episode.flags["junk"] = self.episode.flags.get("junk", 0) + 1
         return " ".join(clean.split())

@@ -56,10 +56,9 @@ NO_CAP = sandbox.Limits(max_searches=10**9, max_deletes=10**9, max_tool_calls=10
 CAP_NOW = sandbox.Limits(max_tool_calls=0)  # the next call ends the episode, as a capped turn did
 TAG = regex.compile(r"<[^<>]{0,200}>")
 # What the sandbox never reads as summary text: tool blocks, an opening the token limit left
-# unclosed (sandbox.DANGLING: the context ends inside it), then stray protocol tags.
+# unclosed (sandbox.DANGLING: the context ends inside it), then stray protocol tags (sandbox.MARKUP).
 MARKUP = regex.compile(r"<results>.*?</results>|<search>.*?</search>|<delete\b[^<>]{0,64}/>|"
-                       + sandbox.DANGLING.pattern +
-                       r"|</?\s*(?:search|results|delete|error)\b[^<>]{0,200}>|</?\d{1,3}>", regex.S)
+                       + sandbox.DANGLING.pattern + "|" + sandbox.MARKUP.pattern, regex.S)
 RESULTS = regex.compile(r"<results>(.*?)</results>", regex.S)
 ITEM = regex.compile(r"<(\d{1,3})>(.*?)</\1>", regex.S)
 

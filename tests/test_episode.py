@@ -215,7 +215,7 @@ TEXTS = st.lists(FRAGMENTS | st.text(max_size=12), max_size=25).map("".join)
 
 
 def no_markup(summary):
-    return S._MARKUP.search(summary) is None and "<search" not in summary and "<delete" not in summary
+    return S.MARKUP.search(summary) is None and "<search" not in summary and "<delete" not in summary
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
