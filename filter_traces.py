@@ -189,20 +189,46 @@ def written(ep: sandbox.Episode) -> str:
     return "".join(t.text for t in ep.turns)
 
 
+# A corpus whose decision after a search follows from the position, corrected at a
+# first check and kept at a check of a rewrite, teaches a policy to delete the first time
+# and keep the second without reading the result. Past this gain over one answer for
+# every check (with at least SHORTCUT_MIN checks of each kind), the filter warns.
+SHORTCUT_GAIN, SHORTCUT_MIN = 0.2, 5
+
+
 def check_balance(eps: Sequence[sandbox.Episode]) -> dict:
     """The corpus's checks: searches, those a delete follows at once (corrections)
     and those the summary goes on after (search-only: the claim held), and the
-    search-only share. A policy learns when not to delete from the second kind."""
-    searches = corrections = 0
+    search-only share. A policy learns when not to delete from the second kind.
+
+    Checks of a rewrite (the one sentence written right after a delete) are counted
+    apart from first checks. `position_predicts` is the share of decisions that the
+    check's kind alone gets right (the majority decision of each kind), against
+    `majority_predicts`, one decision for all; `shortcut` when the kind adds at least
+    SHORTCUT_GAIN."""
+    counts = Counter()  # (recheck, corrected) -> checks
     for ep in eps:
+        prev = None
         for t, nxt in zip(ep.turns, ep.turns[1:] + [None]):
-            if t.call is None or t.call.kind != "search":
-                continue
-            searches += 1
-            corrections += bool(nxt is not None and nxt.call is not None and nxt.call.kind == "delete"
-                                and not nxt.text[:nxt.call.start].strip())
+            if t.call is not None and t.call.kind == "search":
+                recheck = (prev is not None and prev.kind == "delete"
+                           and len(textsplit.split_sentences(t.text[:t.call.start])) == 1)
+                corrected = bool(nxt is not None and nxt.call is not None and nxt.call.kind == "delete"
+                                 and not nxt.text[:nxt.call.start].strip())
+                counts[recheck, corrected] += 1
+            prev = t.call if t.call is not None else prev
+    searches = sum(counts.values())
+    corrections = counts[False, True] + counts[True, True]
+    by_kind = sum(max(counts[r, True], counts[r, False]) for r in (False, True))
+    share = (lambda n: round(n / searches, 4) if searches else 0.0)
+    first, rechecks = counts[False, True] + counts[False, False], counts[True, True] + counts[True, False]
     return {"searches": searches, "corrections": corrections, "search_only": searches - corrections,
-            "search_only_share": round((searches - corrections) / searches, 4) if searches else 0.0}
+            "search_only_share": share(searches - corrections),
+            "first_checks": first, "first_corrected": counts[False, True],
+            "rechecks": rechecks, "rechecks_corrected": counts[True, True],
+            "position_predicts": share(by_kind), "majority_predicts": share(max(corrections, searches - corrections)),
+            "shortcut": (min(first, rechecks) >= SHORTCUT_MIN
+                         and share(by_kind) - share(max(corrections, searches - corrections)) >= SHORTCUT_GAIN)}
 
 
 def signals(ep: sandbox.Episode) -> dict:
@@ -541,6 +567,14 @@ def report(cfg: Config, funnel: Funnel, split: dict, noise: dict | None, changed
         line += (f" | oracle noise {noise['spot_check_rate']:.1%} of {noise['spot_check_n']} sampled, "
                  f"{noise['corpus_rate']:.1%} of the corpus")
     print(f"{line} | {secs:.1f}s -> {cfg.out_dir}", flush=True)
+    if balance["shortcut"]:
+        print(f"filter: warning: the decision after a search follows from its position: first checks "
+              f"{balance['first_corrected']}/{balance['first_checks']} corrected, checks of a rewrite "
+              f"{balance['rechecks_corrected']}/{balance['rechecks']}; the position alone gets "
+              f"{balance['position_predicts']:.0%} of decisions right, one answer for all "
+              f"{balance['majority_predicts']:.0%}. A policy trained on it deletes at the first check "
+              f"without reading the result; synth_traces.py's recheck_rate=0 removes the checks of rewrites",
+              file=sys.stderr, flush=True)
     return out
 
 

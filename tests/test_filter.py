@@ -114,9 +114,32 @@ def test_check_balance_counts_corrections_and_search_only_checks():
     fixed = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.')
     held = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.<search>Acme</search>"
                          '<delete scope="sentence"/> Acme rose 5%.')
-    assert ft.check_balance([fixed, held]) == {"searches": 3, "corrections": 2, "search_only": 1,
-                                               "search_only_share": round(1 / 3, 4)}
+    got = ft.check_balance([fixed, held])
+    assert {k: got[k] for k in ("searches", "corrections", "search_only", "search_only_share")} == {
+        "searches": 3, "corrections": 2, "search_only": 1, "search_only_share": round(1 / 3, 4)}
     assert ft.check_balance([])["search_only_share"] == 0.0
+
+
+def test_check_balance_splits_checks_of_a_rewrite_from_first_checks_and_flags_the_shortcut():
+    """A search of the sentence written right after a delete (a recheck) is counted apart:
+    when first checks are mostly corrected and rechecks never are, the decision after a
+    search follows from the position, and a policy can learn it without reading the result."""
+    doc = "Acme rose 5%. Globex fell 3%."
+    recheck = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.'
+                                  "<search>Acme rose</search> Globex fell 3%.")
+    # written on after a delete, but two sentences before the search: a first check of the second
+    later = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%. '
+                                "Globex fell 3%.<search>Globex fell</search>")
+    got = ft.check_balance([recheck, later])
+    assert (got["first_checks"], got["first_corrected"], got["rechecks"], got["rechecks_corrected"]) == (3, 2, 1, 0)
+    assert got["position_predicts"] == round(3 / 4, 4)  # corrected at a first check, kept at a recheck: 3 of 4
+    assert got["majority_predicts"] == round(2 / 4, 4)  # one answer for every check: 2 of 4
+    assert not ft.check_balance([recheck])["shortcut"]  # two checks: too few to call
+    assert ft.check_balance([recheck] * 10)["shortcut"]
+    kept = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.")
+    # position says "keep" wherever "keep" is the majority: it adds nothing
+    assert not ft.check_balance([recheck, kept, kept] * 10)["shortcut"]
+    assert ft.check_balance([])["position_predicts"] == 0.0
 
 
 def test_results_are_refitted_to_the_policy_budget_never_dropped():
@@ -283,3 +306,16 @@ def test_gates_drop_bad_corrections_and_the_oracle_sees_missed_errors(tmp_path):
     assert gates["factuality gain"]["dropped"] > 0  # corrections that fix nothing do not pass
     assert report["noise"]["corpus_rate"] > 0.05  # missed errors are not a gate's business: the spot check sees them
     assert "an error is left in the summary" in report["noise"]["reasons"]
+
+
+def test_report_warns_of_the_position_shortcut_on_stderr_and_saves_it(tmp_path, capsys):
+    doc = "Acme rose 5%. Globex fell 3%."
+    recheck = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.'
+                                  "<search>Acme rose</search> Globex fell 3%.")
+    kept = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.")
+    cfg = ft.Config(out_dir=str(tmp_path))
+    for corpus, warned in (([recheck] * 10, True), ([recheck, kept, kept] * 10, False)):
+        out = ft.report(cfg, ft.Funnel(len(corpus)), {"train": corpus, "eval": [], "never_touch": []}, None, 0, 1.0)
+        err = capsys.readouterr().err
+        assert ("follows from its position" in err) is warned
+        assert json.loads((tmp_path / "funnel.json").read_text())["checks"]["shortcut"] is warned is out["checks"]["shortcut"]
