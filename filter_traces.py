@@ -219,16 +219,16 @@ def check_balance(eps: Sequence[sandbox.Episode]) -> dict:
             prev = t.call if t.call is not None else prev
     searches = sum(counts.values())
     corrections = counts[False, True] + counts[True, True]
-    by_kind = sum(max(counts[r, True], counts[r, False]) for r in (False, True))
     share = (lambda n: round(n / searches, 4) if searches else 0.0)
+    by_kind = share(sum(max(counts[r, True], counts[r, False]) for r in (False, True)))
+    majority = share(max(corrections, searches - corrections))
     first, rechecks = counts[False, True] + counts[False, False], counts[True, True] + counts[True, False]
     return {"searches": searches, "corrections": corrections, "search_only": searches - corrections,
             "search_only_share": share(searches - corrections),
             "first_checks": first, "first_corrected": counts[False, True],
             "rechecks": rechecks, "rechecks_corrected": counts[True, True],
-            "position_predicts": share(by_kind), "majority_predicts": share(max(corrections, searches - corrections)),
-            "shortcut": (min(first, rechecks) >= SHORTCUT_MIN
-                         and share(by_kind) - share(max(corrections, searches - corrections)) >= SHORTCUT_GAIN)}
+            "position_predicts": by_kind, "majority_predicts": majority,
+            "shortcut": min(first, rechecks) >= SHORTCUT_MIN and by_kind - majority >= SHORTCUT_GAIN}
 
 
 def signals(ep: sandbox.Episode) -> dict:
@@ -573,7 +573,7 @@ def report(cfg: Config, funnel: Funnel, split: dict, noise: dict | None, changed
               f"{balance['rechecks_corrected']}/{balance['rechecks']}; the position alone gets "
               f"{balance['position_predicts']:.0%} of decisions right, one answer for all "
               f"{balance['majority_predicts']:.0%}. A policy trained on it deletes at the first check "
-              f"without reading the result; synth_traces.py's recheck_rate=0 removes the checks of rewrites",
+              f"without reading the result (synth_traces.py's recheck_rate sets how often a rewrite is checked)",
               file=sys.stderr, flush=True)
     return out
 
