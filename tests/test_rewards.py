@@ -937,8 +937,29 @@ def test_coverage_scales_factuality_and_needs_fact_tables():
 
 
 # What each long-task config may change in the reward that every phase shares (rl_news.yaml's).
-_PHASE_REWARD_CHANGES = {"rl_news_a.yaml": {"w_factuality", "w_rules"},  # phase A: the rules alone
+# A and B start from the instruct model (about 147 words): their training length rule reaches
+# that far, or every reward of theirs is zero (docs/long_task.md, phases A, B and E).
+_PHASE_REWARD_CHANGES = {"rl_news_a.yaml": {"w_factuality", "w_rules", "rules"},  # phase A: the rules alone
+                         "rl_news_b.yaml": {"rules"},
                          "ablation_news_no_budget.yaml": {"tools"}}
+
+
+def test_phases_a_and_b_grade_the_instruct_models_length_and_change_nothing_else_of_the_rules():
+    """A summary of the zero-shot length (about 147 words) scores 0 under D's reward and
+    above 0 under A's and B's, so their groups have a reward to compare; only the soft edge
+    differs, so the budget a pass needs stays D's (and evaluation, eval_news.yaml, is D's)."""
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    d = load_config_file(os.path.join(configs, "rl_news.yaml")).reward
+    doc = next(newsworld.documents(1, 0, task="long"))
+    long = " ".join(doc.text.split()[:147])
+    assert R.score(doc, long, d)["total"] == 0.0
+    for name in ("rl_news_a.yaml", "rl_news_b.yaml"):
+        own = load_config_file(os.path.join(configs, name)).reward
+        changed = {k for k, v in dataclasses.asdict(own.rules).items() if dataclasses.asdict(d.rules)[k] != v}
+        assert changed == {"soft_words"}, (name, changed)
+        got = R.score(doc, long, own)
+        assert got["total"] > 0.0 and not got["pass"], (name, got["total"])
+        assert R.score(doc, doc.summary, own)["total"] > got["total"], name
 
 
 @pytest.mark.parametrize("path", [p for p in _configs_with_a_reward() if p and "news" in os.path.basename(p)
