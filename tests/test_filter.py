@@ -120,13 +120,20 @@ def test_check_balance_counts_corrections_and_search_only_checks():
     assert ft.check_balance([])["search_only_share"] == 0.0
 
 
+def _shortcut_traces():
+    """A document; a trace whose wrong sentence is checked, deleted, rewritten and checked
+    again (a recheck, kept); and one whose right sentence is checked and kept."""
+    doc = "Acme rose 5%. Globex fell 3%."
+    recheck = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.'
+                                  "<search>Acme rose</search> Globex fell 3%.")
+    return doc, recheck, sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.")
+
+
 def test_check_balance_splits_checks_of_a_rewrite_from_first_checks_and_flags_the_shortcut():
     """A search of the sentence written right after a delete (a recheck) is counted apart:
     when first checks are mostly corrected and rechecks never are, the decision after a
     search follows from the position, and a policy can learn it without reading the result."""
-    doc = "Acme rose 5%. Globex fell 3%."
-    recheck = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.'
-                                  "<search>Acme rose</search> Globex fell 3%.")
+    doc, recheck, kept = _shortcut_traces()
     # written on after a delete, but two sentences before the search: a first check of the second
     later = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%. '
                                 "Globex fell 3%.<search>Globex fell</search>")
@@ -136,7 +143,6 @@ def test_check_balance_splits_checks_of_a_rewrite_from_first_checks_and_flags_th
     assert got["majority_predicts"] == round(2 / 4, 4)  # one answer for every check: 2 of 4
     assert not ft.check_balance([recheck])["shortcut"]  # two checks: too few to call
     assert ft.check_balance([recheck] * 10)["shortcut"]
-    kept = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.")
     # position says "keep" wherever "keep" is the majority: it adds nothing
     assert not ft.check_balance([recheck, kept, kept] * 10)["shortcut"]
     assert ft.check_balance([])["position_predicts"] == 0.0
@@ -309,10 +315,7 @@ def test_gates_drop_bad_corrections_and_the_oracle_sees_missed_errors(tmp_path):
 
 
 def test_report_warns_of_the_position_shortcut_on_stderr_and_saves_it(tmp_path, capsys):
-    doc = "Acme rose 5%. Globex fell 3%."
-    recheck = sandbox.replay(doc, 'Acme rose 9%.<search>Acme rose</search><delete scope="sentence"/> Acme rose 5%.'
-                                  "<search>Acme rose</search> Globex fell 3%.")
-    kept = sandbox.replay(doc, "Globex fell 3%.<search>Globex fell</search> Acme rose 5%.")
+    _, recheck, kept = _shortcut_traces()
     cfg = ft.Config(out_dir=str(tmp_path))
     for corpus, warned in (([recheck] * 10, True), ([recheck, kept, kept] * 10, False)):
         out = ft.report(cfg, ft.Funnel(len(corpus)), {"train": corpus, "eval": [], "never_touch": []}, None, 0, 1.0)
