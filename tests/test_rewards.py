@@ -763,11 +763,13 @@ AUDIT = {
 }
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
 def _configs_with_a_reward():
     import glob
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [None] + [p for p in sorted(glob.glob(os.path.join(root, "configs", "*.yaml")))
+    return [None] + [p for p in sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
                      if hasattr(load_config_file(p), "reward")]
 
 
@@ -948,13 +950,12 @@ def test_phases_a_and_b_grade_the_instruct_models_length_and_change_nothing_else
     """A summary of the zero-shot length (about 147 words) scores 0 under D's reward and
     above 0 under A's and B's, so their groups have a reward to compare; only the soft edge
     differs, so the budget a pass needs stays D's (and evaluation, eval_news.yaml, is D's)."""
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-    d = load_config_file(os.path.join(configs, "rl_news.yaml")).reward
+    d = load_config_file(os.path.join(CONFIGS, "rl_news.yaml")).reward
     doc = next(newsworld.documents(1, 0, task="long"))
     long = " ".join(doc.text.split()[:147])
     assert R.score(doc, long, d)["total"] == 0.0
     for name in ("rl_news_a.yaml", "rl_news_b.yaml"):
-        own = load_config_file(os.path.join(configs, name)).reward
+        own = load_config_file(os.path.join(CONFIGS, name)).reward
         changed = {k for k, v in dataclasses.asdict(own.rules).items() if dataclasses.asdict(d.rules)[k] != v}
         assert changed == {"soft_words"}, (name, changed)
         got = R.score(doc, long, own)
