@@ -224,9 +224,9 @@ def _silent(m: dict) -> bool:
     return not _missing(x) and x > MAX_NO_FACT
 
 
-def _stated(ok: bool | None, *rows: dict) -> bool | None:
+def _stated(ok: bool | str | None, *rows: dict) -> bool | str | None:
     """A precision or hallucination verdict, false when a row states too little to judge."""
-    return False if ok is not None and any(_silent(m) for m in rows) else ok
+    return False if isinstance(ok, bool) and any(_silent(m) for m in rows) else ok
 
 
 def _said(m: dict, key: str) -> str:
@@ -787,14 +787,16 @@ def headline(chain: Chain, models: dict[str, dict], distills: list[dict], seeds:
 
 
 def verdicts(fig: dict, tables: tuple, seconds: dict[str, float] | None) -> list[str]:
-    """The lines of each (title, [(name, shown, verdict)], key) table, marked met, not met
-    or not measured (the verdicts go into fig[key]), then the stage times."""
+    """The lines of each (title, [(name, shown, verdict)], key) table, marked met, not met,
+    not measured or, for a verdict given as text (ONE_SEED), that text (the verdicts go into
+    fig[key], text as None), then the stage times."""
     lines = []
     for title, items, key in tables:
         lines += ["", f"| {title} | measured | status |", "|---|---|---|"]
         for name, shown, ok in items:
-            lines.append(f"| {name} | {shown} | {'not measured' if ok is None else 'met' if ok else 'not met'} |")
-        fig[key] = {name: ok for name, _, ok in items}
+            status = ok if isinstance(ok, str) else "not measured" if ok is None else "met" if ok else "not met"
+            lines.append(f"| {name} | {shown} | {status} |")
+        fig[key] = {name: None if isinstance(ok, str) else ok for name, _, ok in items}
     if seconds:
         total = sum(seconds.values())
         lines += ["", "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
@@ -823,14 +825,18 @@ def news_rows(seeds: int, full: bool) -> list[tuple[str, list[str]]]:
     return [(label, paths[label]) for label in NEWS_ROWS if label in paths]
 
 
-def _beats(per: dict, a: str, b: str, key: str, lower: bool = False) -> tuple[str, bool | None]:
-    """Row a against row b on `key` over seeds: (shown, a better beyond both spreads)."""
+ONE_SEED = "one seed: not judged (--seeds 3)"  # the verdict of a comparison that needs a spread
+
+
+def _beats(per: dict, a: str, b: str, key: str, lower: bool = False) -> tuple[str, bool | str | None]:
+    """Row a against row b on `key` over seeds: (shown, a better beyond both spreads), or
+    ONE_SEED where a row has one seed, so no spread to be beyond."""
     xa, xb = per.get(a, []), per.get(b, [])
     sign = -1 if lower else 1
     ok = _step_up([{key: sign * m.get(key, math.nan)} for m in xb], [{key: sign * m.get(key, math.nan)} for m in xa],
                   key) if xa and xb else None
     fmt = lambda rows: _seed_cell([m.get(key) for m in rows], "pct")  # noqa: E731
-    return f"{fmt(xa)} vs {fmt(xb)}", ok
+    return f"{fmt(xa)} vs {fmt(xb)}", ONE_SEED if ok is not None and min(len(xa), len(xb)) < 2 else ok
 
 
 def news_headline(models: dict[str, dict], distills: list[dict], seeds: int = 1, *, full: bool = False,

@@ -523,3 +523,18 @@ def test_news_headline_states_the_claim_and_the_roadmap_milestones():
     assert fig["milestones"]["M0: A's rule pass >= 20% (--full)"] is None
     assert fig["claim"]["the copying baselines fail M2 (combined pass < 60%)"] is False
     assert "| D without search |" not in md
+
+
+def test_news_claim_needs_two_seeds_to_judge_beyond_the_spreads():
+    # One seed has no spread, so "beyond both spreads" cannot be judged: D ahead of B+ on one
+    # seed reads "one seed", not met, in the table and None in the figures.
+    models = _news_models(1, **{"D: Dr. GRPO (tools)": {"pass": 0.05, "hallucination_rate": 0.10},
+                                "B+: SFT stripped -> RL (no tools)": {"pass": 0.28, "hallucination_rate": 0.36},
+                                "D without search": {"pass": 0.01}, "D without delete": {"pass": 0.05}})
+    md, fig = pipeline.news_headline(models, [], 1, full=True, n_docs=103, backend="oracle")
+    for name in ("D beats B+ on combined pass, beyond both spreads", "D beats B+ on hallucination, beyond both spreads",
+                 "D without search falls below D on combined pass, beyond both spreads (--full)"):
+        assert fig["claim"][name] is None
+        line = next(x for x in md.splitlines() if x.startswith(f"| {name} |"))
+        assert line.endswith("| one seed: not judged (--seeds 3) |"), line
+    assert fig["claim"]["D's tool AUC >= 0.75"] is True  # a threshold needs no spread
