@@ -37,7 +37,8 @@ stand-in for pretraining) and evaluates base, SFT and RL.
 The headline table goes to stdout and to runs/pipeline/headline.md (with the
 profile's targets and the project's milestones marked met / not met), its
 figures to runs/pipeline/headline.json and a plot of them by stage to
-runs/pipeline/headline.png.
+runs/pipeline/headline.png. The news profile also writes runs/pipeline/summaries.md:
+every row's summaries of the same two held-out documents, drawn at random.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import functools
 import json
 import os
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -949,6 +951,46 @@ def read_outputs(stages: list[Stage], work: Path) -> tuple[dict[str, dict], list
     return models, distills, first
 
 
+def quoted_summaries(evals: list[Path], rows: list[tuple[str, str]], n: int = 2, seed: int = 0) -> str:
+    """Markdown: what each (label, model) row wrote on `n` documents drawn with
+    random.Random(seed) from those every row was evaluated on (the episodes.jsonl beside each
+    eval.json of `evals`), tool calls as written and search results elided, with the verdict.
+    The same documents for every row, to read side by side; "" when no row was evaluated."""
+    episodes: dict[str, dict[str, dict]] = {}
+    for path in (p.parent / "episodes.jsonl" for p in evals):
+        if not path.is_file():
+            continue
+        rows_here = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                rows_here.append(json.loads(line))
+            except json.JSONDecodeError as e:  # the table does not need it: say which file, quote the others
+                print(f"pipeline: {path}: line {i} is not JSON ({e.msg}); its summaries are not quoted")
+                break
+        else:
+            for r in rows_here:
+                episodes.setdefault(r["model"], {})[r["doc_id"]] = r
+    quoted = [(label, episodes[model]) for label, model in rows if model in episodes]
+    if not quoted:
+        return ""
+    common_docs = sorted(set.intersection(*(set(by_doc) for _, by_doc in quoted)))
+    docs = random.Random(seed).sample(common_docs, min(n, len(common_docs)))
+    lines = [f"Summaries as written on {len(docs)} held-out documents (random.Random({seed}) over the eval pool), "
+             "the first seed of each row; search results elided.", ""]
+    for doc in docs:
+        lines += [f"### {doc}", ""]
+        for label, by_doc in quoted:
+            r = by_doc[doc]
+            text = "".join(t["text"] + ("<results>...</results>" if t.get("injected") else "")
+                           for t in r["episode"]["turns"])
+            flagged = ", ".join(e["type"] for e in r.get("errors") or [])
+            verdict = "pass" if r["score"]["pass"] else f"coverage {r['score']['coverage']:.2f}" + (
+                f", flagged: {flagged}" if flagged else "")
+            lines.append(f'- **{label}**: "{text.strip()}" ({verdict})')
+        lines.append("")
+    return "\n".join(lines)
+
+
 def stage_overrides(items: list[str], stages: list[Stage]) -> dict[str, list[str]]:
     """`--set STAGE.KEY=VALUE` items as {stage: [KEY=VALUE, ...]}; a malformed item or an
     unknown stage exits naming it and the stages."""
@@ -1084,9 +1126,15 @@ def main(argv: list[str] | None = None) -> dict:
     common.atomic_write_text(out / "headline.md", md)
     common.atomic_write_text(out / "headline.json", json.dumps(fig, indent=1, default=str))
     plot_headline(fig, out / "headline.png")
+    quotes = "" if chain is not None else quoted_summaries(
+        [work / s.output for s in stages if Path(s.output).name == "eval.json"],
+        [(label, paths[0]) for label, paths in news_rows(seeds, args.full)])
+    if quotes:
+        common.atomic_write_text(out / "summaries.md", quotes)
     print("\n" + md)
     print(f"pipeline: {minutes(time.perf_counter() - t_start)} this call; table in {args.out}/headline.md, "
-          f"plot in {args.out}/headline.png")
+          f"plot in {args.out}/headline.png" + (f", two summaries of each row in {args.out}/summaries.md"
+                                                if quotes else ""))
     return fig
 
 

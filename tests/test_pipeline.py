@@ -538,3 +538,35 @@ def test_news_claim_needs_two_seeds_to_judge_beyond_the_spreads():
         line = next(x for x in md.splitlines() if x.startswith(f"| {name} |"))
         assert line.endswith("| one seed: not judged (--seeds 3) |"), line
     assert fig["claim"]["D's tool AUC >= 0.75"] is True  # a threshold needs no spread
+
+
+def _episode(model: str, doc: str, turns: list[tuple[str, str]], passed: bool, errors=()) -> str:
+    return json.dumps({"model": model, "doc_id": doc, "score": {"pass": passed, "coverage": 0.5},
+                       "errors": [{"type": t, "error_span": "x"} for t in errors],
+                       "episode": {"doc_id": doc, "turns": [{"text": t, "injected": i} for t, i in turns]}})
+
+
+def test_quoted_summaries_show_every_row_on_the_same_random_documents(tmp_path, capsys):
+    ids = [f"doc-{i}" for i in range(6)]
+    tools = [("A sentence.<search>key</search>", "<results><0>A sentence.</0></results>"),
+             ('<delete scope="sentence"/>', ""), (" A sentence.", "")]
+    lines = [_episode("runs/d/final", d, tools, passed=d == "doc-3") for d in ids]
+    lines += [_episode("runs/bp/final", d, [("Plain summary.", "")], False, ["unsupported"]) for d in ids[:5]]
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "episodes.jsonl").write_text("\n".join(lines) + "\n")
+    rows = [("D", "runs/d/final"), ("B+", "runs/bp/final"), ("never evaluated", "runs/x/final")]
+    md = pipeline.quoted_summaries([tmp_path / "ev" / "eval.json", tmp_path / "missing" / "eval.json"], rows)
+    import random
+    docs = random.Random(0).sample(ids[:5], 2)  # only documents every quoted row has
+    assert [x[4:] for x in md.splitlines() if x.startswith("### ")] == docs
+    assert md.count("- **D**: ") == 2 and md.count("- **B+**: ") == 2 and "never evaluated" not in md
+    d_line = next(x for x in md.splitlines() if x.startswith("- **D**"))
+    assert '"A sentence.<search>key</search><results>...</results><delete scope="sentence"/> A sentence."' in d_line
+    assert "<0>" not in md  # the search results are elided
+    assert "flagged: unsupported" in next(x for x in md.splitlines() if x.startswith("- **B+**"))
+    assert ("(pass)" in md) == ("doc-3" in docs)
+    assert pipeline.quoted_summaries([tmp_path / "missing" / "eval.json"], rows) == ""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "episodes.jsonl").write_text(lines[0] + "\n{truncated\n")
+    assert pipeline.quoted_summaries([tmp_path / "bad" / "eval.json"], rows) == ""
+    assert "episodes.jsonl: line 2 is not JSON" in capsys.readouterr().out
