@@ -3,6 +3,7 @@ tiny models, and a kill at the worst moment of a run."""
 import contextlib
 import functools
 import json
+import time
 
 DOC = (
     "Acme Corp. reported revenue of $4.2 billion on March 3, 2024, up 12% from a year earlier. "
@@ -227,7 +228,13 @@ def assert_trackers_match_metrics(run_dir, keys=("loss",)) -> None:
     metrics = common.read_metrics(f"{run_dir}/metrics.jsonl")
     tb = EventAccumulator(f"{run_dir}/tb")
     tb.Reload()
-    wb = {(r["_step"], k): v for r in wandb_history(run_dir) for k, v in r.items()}
+    wanted = {(r["step"], k) for r in metrics for k in keys if isinstance(r.get(k), (int, float))}
+    deadline = time.monotonic() + 60  # wandb's service process may still be writing the run after finish()
+    while True:
+        wb = {(r["_step"], k): v for r in wandb_history(run_dir) for k, v in r.items()}
+        if wanted <= wb.keys() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for k in keys:
         want = {r["step"]: r[k] for r in metrics if isinstance(r.get(k), (int, float))}
         assert want, f"no {k} in metrics.jsonl"
