@@ -956,20 +956,19 @@ def quoted_summaries(evals: list[Path], rows: list[tuple[str, str]], n: int = 2,
     random.Random(seed) from those every row was evaluated on (the episodes.jsonl beside each
     eval.json of `evals`), tool calls as written and search results elided, with the verdict.
     The same documents for every row, to read side by side; "" when no row was evaluated."""
+    import data
+
     episodes: dict[str, dict[str, dict]] = {}
     for path in (p.parent / "episodes.jsonl" for p in evals):
         if not path.is_file():
             continue
-        rows_here = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                rows_here.append(json.loads(line))
-            except json.JSONDecodeError as e:  # the table does not need it: say which file, quote the others
-                print(f"pipeline: {path}: line {i} is not JSON ({e.msg}); its summaries are not quoted")
-                break
-        else:
-            for r in rows_here:
-                episodes.setdefault(r["model"], {})[r["doc_id"]] = r
+        try:
+            rows_here = [r for _, r in data.jsonl_records(str(path))]
+        except data.DataError as e:  # the table does not need it: name the file and line, quote the others
+            print(f"pipeline: {e}; its summaries are not quoted")
+            continue
+        for r in rows_here:
+            episodes.setdefault(r["model"], {})[r["doc_id"]] = r
     quoted = [(label, episodes[model]) for label, model in rows if model in episodes]
     if not quoted:
         return ""

@@ -228,15 +228,14 @@ def assert_trackers_match_metrics(run_dir, keys=("loss",)) -> None:
     metrics = common.read_metrics(f"{run_dir}/metrics.jsonl")
     tb = EventAccumulator(f"{run_dir}/tb")
     tb.Reload()
-    wanted = {(r["step"], k) for r in metrics for k in keys if isinstance(r.get(k), (int, float))}
+    wants = {k: {r["step"]: r[k] for r in metrics if isinstance(r.get(k), (int, float))} for k in keys}
     deadline = time.monotonic() + 60  # wandb's service process may still be writing the run after finish()
     while True:
         wb = {(r["_step"], k): v for r in wandb_history(run_dir) for k, v in r.items()}
-        if wanted <= wb.keys() or time.monotonic() > deadline:
+        if all((s, k) in wb for k, want in wants.items() for s in want) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    for k in keys:
-        want = {r["step"]: r[k] for r in metrics if isinstance(r.get(k), (int, float))}
+    for k, want in wants.items():
         assert want, f"no {k} in metrics.jsonl"
         got = {e.step: e.value for e in tb.Scalars(k)}
         assert got.keys() == want.keys() and all(abs(got[s] - v) < 1e-5 * max(1, abs(v)) for s, v in want.items())

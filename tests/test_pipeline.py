@@ -569,4 +569,4 @@ def test_quoted_summaries_show_every_row_on_the_same_random_documents(tmp_path, 
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "episodes.jsonl").write_text(lines[0] + "\n{truncated\n")
     assert pipeline.quoted_summaries([tmp_path / "bad" / "eval.json"], rows) == ""
-    assert "episodes.jsonl: line 2 is not JSON" in capsys.readouterr().out
+    assert "episodes.jsonl:2: malformed JSON line" in capsys.readouterr().out
