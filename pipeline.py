@@ -257,7 +257,7 @@ def _smollm_targets(fig: dict) -> list[tuple[str, str, bool | None]]:
     zs, sft, rl = rows = fig["start"], fig["sft"], fig["rl"]
     per = fig["per_seed"]
     steps = [_step_up(per["start"], per["sft"], "fact_precision"), _step_up(per["sft"], per["rl"], "fact_precision")]
-    rises = None if None in steps else all(steps)
+    rises = _spread_judged(None if None in steps else all(steps), per["sft"], per["rl"])  # zero-shot: one greedy row
     return [
         ("fact precision rises zero-shot -> SFT -> Dr. GRPO, each step beyond the seed spread",
          " -> ".join(_said(m, "fact_precision") for m in rows), _stated(rises, *rows)),
@@ -838,7 +838,12 @@ def _beats(per: dict, a: str, b: str, key: str, lower: bool = False) -> tuple[st
     ok = _step_up([{key: sign * m.get(key, math.nan)} for m in xb], [{key: sign * m.get(key, math.nan)} for m in xa],
                   key) if xa and xb else None
     fmt = lambda rows: _seed_cell([m.get(key) for m in rows], "pct")  # noqa: E731
-    return f"{fmt(xa)} vs {fmt(xb)}", ONE_SEED if ok is not None and min(len(xa), len(xb)) < 2 else ok
+    return f"{fmt(xa)} vs {fmt(xb)}", _spread_judged(ok, xa, xb)
+
+
+def _spread_judged(ok: bool | None, *rows: list) -> bool | str | None:
+    """A verdict "beyond the spread over seeds", or ONE_SEED where a trained row has one seed."""
+    return ONE_SEED if ok is not None and min(map(len, rows)) < 2 else ok
 
 
 def news_headline(models: dict[str, dict], distills: list[dict], seeds: int = 1, *, full: bool = False,

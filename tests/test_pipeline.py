@@ -540,6 +540,20 @@ def test_news_claim_needs_two_seeds_to_judge_beyond_the_spreads():
     assert fig["claim"]["D's tool AUC >= 0.75"] is True  # a threshold needs no spread
 
 
+def test_short_world_rise_beyond_the_seed_spread_needs_two_seeds():
+    # The short world's "each step beyond the seed spread" on one trained seed has no spread
+    # to be beyond: it reads "one seed", as the long task's claims do. Zero-shot is greedy and
+    # shared by the seeds, so its single figure is not what makes a run one seed.
+    c = pipeline.SMOLLM
+    models = {c.start[1]: _metrics(fact_precision=0.78), c.sft(0): _metrics(fact_precision=0.91),
+              c.rl(0): _metrics(fact_precision=0.99)}
+    md, fig = pipeline.headline(c, models, [], seeds=1, n_docs=103, backend="oracle")
+    rises = next(k for k in fig["targets"] if k.startswith("fact precision rises"))
+    assert fig["targets"][rises] is None
+    line = next(x for x in md.splitlines() if x.startswith(f"| {rises} |"))
+    assert line.endswith("| one seed: not judged (--seeds 3) |"), line
+
+
 def _episode(model: str, doc: str, turns: list[tuple[str, str]], passed: bool, errors=()) -> str:
     return json.dumps({"model": model, "doc_id": doc, "score": {"pass": passed, "coverage": 0.5},
                        "errors": [{"type": t, "error_span": "x"} for t in errors],
