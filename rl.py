@@ -113,7 +113,9 @@ class Config:
     # group: one tree per group sharing its prompt; tree: one per episode (both need sdpa or eager
     # attention); branch: plain padded sequences (any attention, e.g. Unsloth's)
     score_method: Literal["group", "tree", "branch"] = "group"
-    max_batch_tokens: int = 16384  # tokens per forward pass inside a micro-batch
+    # tokens per forward pass inside a micro-batch; under group scoring also the most nodes of one
+    # group tree: a larger group is scored and backpropagated in parts (micro_batches)
+    max_batch_tokens: int = 16384
     max_logprob_gap: float = 0.5  # abort when trainer and sampler log-probs differ by more (mean |.|, nats)
     save_every: int = 1  # steps between checkpoints (1: a kill loses at most the current step)
     keep_checkpoints: int = 2
@@ -310,10 +312,13 @@ def dr_grpo_loss(logp, old_logp, adv, n_rollouts: int, max_new_tokens: int, **kw
     return tok_loss.sum() / (n_rollouts * max_new_tokens), kl, clipped
 
 
-def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperature: float) -> torch.Tensor:
-    """(T,) log-probs of every generated token under its own context, differentiable."""
+def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperature: float,
+             group: int | None = None) -> torch.Tensor:
+    """(T,) log-probs of every generated token under its own context, differentiable. Group
+    scoring makes a tree of every `group` consecutive rollouts (default: the group size)."""
     if cfg.score_method == "group":
-        return flat(rollout.group_logprobs(model, episodes, cfg.group_size, temperature, cfg.max_batch_tokens))
+        return flat(rollout.group_logprobs(model, episodes, group or cfg.group_size, temperature,
+                                           cfg.max_batch_tokens))
     return flat(rollout.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
                                          max_batch_tokens=cfg.max_batch_tokens))
 
@@ -559,18 +564,59 @@ def update_batches(t: Trainer, eps: list[sandbox.Episode], turn_adv: list) -> li
             for i in range(g, g + G)]
     dev = next(t.model.parameters()).device
     batches = []
-    for s in range(0, len(keep), cfg.micro_groups * G):
-        idx = keep[s:s + cfg.micro_groups * G]
+    for idx, group in micro_batches(cfg, eps, keep):
         mb = [eps[i] for i in idx]
         adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, t.tok))
         adv = apply_retracted_credit(adv, retracted_mask(mb), cfg.retracted_credit)
-        b = {"eps": mb, "adv": adv.to(dev), "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None}
+        b = {"eps": mb, "adv": adv.to(dev), "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None,
+             "group": group}
         if cfg.beta > 0:
             t.model.eval()
             with torch.no_grad(), t.amp(), modeling.reference_model(t.model) if t.lora else contextlib.nullcontext():
-                b["ref"] = logprobs(t.model if t.lora else t.ref_copy, mb, cfg, t.temperature)
+                b["ref"] = logprobs(t.model if t.lora else t.ref_copy, mb, cfg, t.temperature, group)
         batches.append(b)
     return batches
+
+
+def micro_batches(cfg: Config, eps: list[sandbox.Episode], keep: list[int]) -> list[tuple[list[int], int]]:
+    """(rollout indices, rollouts per group tree) of each forward and backward pass of the update:
+    `micro_groups` whole groups, or, under group scoring, a group whose tree would have more than
+    `max_batch_tokens` nodes in parts of consecutive rollouts, each part's tree within it (the
+    prompt again in each). A pass holds its activations until its backward, so this bounds the
+    update's memory; each rollout's loss is its own, so the gradient is the same."""
+    G = cfg.group_size
+    out, whole = [], []
+    for s in range(0, len(keep), G):
+        group = keep[s:s + G]
+        parts = tree_parts([eps[i] for i in group], cfg.max_batch_tokens) if cfg.score_method == "group" else [G]
+        if len(parts) == 1:
+            whole += group
+            if len(whole) == cfg.micro_groups * G:
+                out.append((whole, G))
+                whole = []
+            continue
+        a = 0
+        for n in parts:
+            out.append((group[a:a + n], n))
+            a += n
+    return out + ([(whole, G)] if whole else [])
+
+
+def tree_parts(group: list[sandbox.Episode], max_nodes: int) -> list[int]:
+    """Sizes of the runs of consecutive rollouts that split `group`'s tree into trees of at most
+    `max_nodes` nodes (a rollout whose own tree is larger goes alone): the prompt once, plus each
+    rollout's own nodes (an upper bound: rollouts that open alike share more)."""
+    sizes = [len(rollout.episode_trees([e], None)[0].ids) for e in group]
+    prompt = len(group[0].prompt_ids or [])
+    parts, nodes = [], 0
+    for n in sizes:
+        if parts and nodes + n - prompt <= max_nodes:
+            parts[-1] += 1
+            nodes += n - prompt
+        else:
+            parts.append(1)
+            nodes = n
+    return parts
 
 
 def update(t: Trainer, batches: list[dict], n_rollouts: int) -> dict:
@@ -582,7 +628,7 @@ def update(t: Trainer, batches: list[dict], n_rollouts: int) -> dict:
     for epoch in range(cfg.mu):
         for b in batches:
             with t.amp():
-                logp = logprobs(t.model, b["eps"], cfg, t.temperature)
+                logp = logprobs(t.model, b["eps"], cfg, t.temperature, b["group"])
             if epoch == 0:
                 # Old log-probs: the sampler's own when it is this model and mu == 1; else
                 # this first pass's, detached (the same function and weights, before any update).

@@ -355,12 +355,14 @@ SCRIPTS = [DELETE_SCRIPT, "Acme grew.<search>Jane Doe</search> Jane Doe resigned
            "Revenue fell.<delete scope=\"sentence\"/> Acme rose.", "Globex fell 2%."]
 
 
-@pytest.mark.parametrize("advantage, micro_groups, vllm_shift", [
-    ("outcome", 1, None), ("outcome", 2, None), ("turn", 1, None),
-    ("outcome", 1, -0.1), ("outcome", 1, -0.4),  # the vLLM path: IS weight exp(0.1) = 1.105; exp(0.4) capped at 1.2
-])
+@pytest.mark.parametrize("advantage, micro_groups, vllm_shift, max_batch_tokens", [
+    ("outcome", 1, None, 16384), ("outcome", 2, None, 16384), ("turn", 1, None, 16384),
+    ("outcome", 2, None, 300),  # group trees split into parts of a rollout or two (micro_batches)
+    ("outcome", 1, -0.1, 16384), ("outcome", 1, -0.4, 16384),  # the vLLM path: IS weight exp(0.1) = 1.105;
+])                                                             # exp(0.4) capped at 1.2
 def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, docs, tmp_path, monkeypatch,
-                                                                      advantage, micro_groups, vllm_shift):
+                                                                      advantage, micro_groups, vllm_shift,
+                                                                      max_batch_tokens):
     """rl.main's own gradient, just before the optimizer step, against one computed
     here from its rollouts (scripted, so they search and delete): A = R - mean(R of
     the group), plus with advantage=turn the call's ToolMatch value minus the group's
@@ -382,10 +384,11 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
                     t.logprobs = lp.tolist() if lp is not None else []
         return eps
 
-    def spy_logprobs(model, episodes, cfg, temperature):
+    def spy_logprobs(model, episodes, cfg, temperature, group=None):
         seen["model"] = model
         seen.setdefault("eps", []).extend(episodes)
-        return real_logprobs(model, episodes, cfg, temperature)
+        seen.setdefault("passes", []).append(len(episodes))
+        return real_logprobs(model, episodes, cfg, temperature, group)
 
     def check_then_clip(params, max_norm, *args, **kwargs):
         params, eps, model = list(params), seen.pop("eps"), seen["model"]
@@ -429,12 +432,15 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", check_then_clip)
     cfg = config(policy, docs, tmp_path, steps=2, micro_groups=micro_groups, save_every=0, advantage=advantage,
                  sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2,
-                 autocast="none")  # the gradient computed here is fp32's; `auto` may pick bf16 on this CPU
+                 autocast="none", max_batch_tokens=max_batch_tokens)  # the gradient computed here is fp32's;
+    # `auto` may pick bf16 on this CPU
     if vllm_shift is not None:
         fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted R.rollout above
         cfg.sampling.backend = "vllm"
     rl.main(cfg, reward_fn=tool_reward)
     assert [n for n, _ in checked] == [8, 8] and all(c >= 8 for _, c in checked)  # every rollout, calls included
+    whole = 2 * 8 // (4 * micro_groups)  # passes of whole groups in two steps
+    assert len(seen["passes"]) == whole if max_batch_tokens > 1000 else len(seen["passes"]) > whole
 
 
 def test_step_figures_reach_tensorboard_and_wandb(policy, docs, tmp_path, monkeypatch):
