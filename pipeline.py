@@ -1070,6 +1070,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = work / args.out
     seconds_path = out / "seconds.json"
     seconds = json.loads(seconds_path.read_text()) if seconds_path.exists() and not args.fresh else {}
+    peaks_path = out / "peak_memory.json"  # bytes, by stage: a resumed run still knows the skipped stages'
+    peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() and not args.fresh else {}
     t_start = time.perf_counter()
     failed: list[Stage] = []  # optional stages that failed in this call
     for stage in stages:
@@ -1104,12 +1106,19 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         common.atomic_write_text(seconds_path, json.dumps(seconds, indent=1))
         peak = PEAK_RSS.get(stage.label)
+        if peak:
+            peaks[stage.label] = peak
+            common.atomic_write_text(peaks_path, json.dumps(peaks, indent=1))
         print(f"    done in {minutes(seconds[stage.label])}" + (f", peak memory {gigabytes(peak)}" if peak else "")
               + ("" if args.verbose else f"; its output: {log.relative_to(work)}"), flush=True)
         for line in ([] if args.verbose else result_lines(stage, work, log)):
             print(f"    {line}", flush=True)
     if server is not None:
         server.shutdown()
+    if peaks:
+        label = max(peaks, key=peaks.get)
+        print(f"pipeline: peak memory {gigabytes(peaks[label])} ({label}); every stage's in "
+              f"{peaks_path.relative_to(work)}", flush=True)
     for stage in failed:
         print(f"pipeline: {stage.label} failed; its student is left out of the table (rerun it alone with "
               f"`{' '.join([*launcher(stage, args.nproc), *stage.argv])}`, then `python pipeline.py` again)")

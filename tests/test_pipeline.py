@@ -271,6 +271,31 @@ def test_a_failed_student_leaves_the_rest_of_the_chain_and_its_evaluation_standi
     assert [st.name for st in ran][-1] == "rl"
 
 
+def test_the_pipeline_keeps_every_stages_peak_memory_and_names_the_largest(tmp_path, monkeypatch, capsys):
+    """Each stage's peak resident memory goes to peak_memory.json as it finishes, and the end
+    names the largest; a resumed call keeps the peaks of the stages it skips."""
+    sizes = {"sft": 5e9, "rl": 7.5e9}
+
+    def fake_run(stage, cwd, nproc=1, log=None, verbose=False):
+        out = cwd / stage.output
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"models": []})) if out.suffix else out.mkdir(exist_ok=True)
+        pipeline.PEAK_RSS[stage.label] = int(sizes.get(stage.name, 1e9))
+        return 0.0
+
+    monkeypatch.setattr(pipeline, "run_stage", fake_run)
+    pipeline.main(["--profile", "tiny", "--workdir", str(tmp_path)])
+    path = tmp_path / "runs/pipeline/peak_memory.json"
+    peaks = json.loads(path.read_text())
+    assert peaks["rl"] == 7.5e9 and peaks["sft"] == 5e9 and len(peaks) == len(
+        [s for s in pipeline.profile_stages("tiny", 1) if not s.full_only])
+    assert "pipeline: peak memory 7.5 GB (rl)" in capsys.readouterr().out
+    sizes["eval"] = 2e9
+    (tmp_path / "runs/eval_tiny/eval.json").unlink()  # only the evaluation runs again
+    pipeline.main(["--profile", "tiny", "--workdir", str(tmp_path)])
+    assert json.loads(path.read_text())["rl"] == 7.5e9 and "peak memory 7.5 GB (rl)" in capsys.readouterr().out
+
+
 SMALLEST = {  # seconds-scale sizes of every stage (the configs' own keys)
     "base": ["data.generate=48", "epochs=1", "eval.every=0", "eval.n_docs=2", "eval.max_new_tokens=16"],
     "traces": ["limit=24", "drafter.generate.max_new_tokens=24"],
