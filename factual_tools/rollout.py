@@ -30,9 +30,11 @@ during rollouts is a classic RL-trainer bug (the sampled data is then off-policy
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -1102,6 +1104,44 @@ def score_trees(model, chunk, out, temperature, dev):
                                   temperature=temperature, **attention)
     for i, e, ti, a, z in where:
         out[e][ti] = rows[i][a:z]
+
+
+@contextmanager
+def timed_parts():
+    """For a profile (bench/rollout.py): inside the block, the wall seconds the hf engine
+    spends in each of its parts add up in the yielded Counter, by name: "forward" (a
+    batched forward, attention included), "attention", "cache writes", "sampling",
+    "sandbox" (the episode builders), "script (bench only)" (a ScriptedProcessor).
+    Nested parts count in both. Each part is wrapped for the block only."""
+    from transformers import AttentionInterface
+
+    secs: collections.Counter = collections.Counter()
+
+    def timed(fn, part):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                secs[part] += time.perf_counter() - t0
+        return wrapper
+
+    module = sys.modules[__name__]
+    parts = [(_Batch, "_forward_rows", "forward"), (_RaggedCache, "update", "cache writes"),
+             (module, "sample", "sampling"), (sandbox.EpisodeBuilder, "push", "sandbox"),
+             (sandbox.EpisodeBuilder, "end_turn", "sandbox"), (ScriptedProcessor, "__call__", "script (bench only)")]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in parts]
+    _register_attention()
+    attention = AttentionInterface._global_mapping[GQA_ATTENTION]
+    try:
+        for (owner, attr, part), (_, _, fn) in zip(parts, saved):
+            setattr(owner, attr, timed(fn, part))
+        AttentionInterface.register(GQA_ATTENTION, timed(attention, "attention"))
+        yield secs
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+        AttentionInterface.register(GQA_ATTENTION, attention)
 
 
 # ---------------------------------------------------------------------------

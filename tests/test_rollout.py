@@ -670,3 +670,20 @@ def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, m
     with torch.no_grad():
         R.episode_logprobs(model, eps, method="tree")
     assert any(w % 64 for w in widths)  # fp32: nothing padded
+
+
+def test_timed_parts_times_the_engine_parts_and_restores_them(model):
+    """bench/rollout.py's profile: every part the engine ran has time, attention is inside the
+    forward, and after the block the engine runs its own functions again, untimed."""
+    before = (R.sample, R.ScriptedProcessor.__call__)
+    with R.timed_parts() as secs:
+        eps = run(model, "hf")
+    assert sum(e.n_search for e in eps) == 5  # the scripted tool calls ran through the timed sandbox
+    for part in ("forward", "attention", "cache writes", "sampling", "sandbox", "script (bench only)"):
+        assert secs[part] > 0, part
+    assert secs["attention"] < secs["forward"]
+    assert (R.sample, R.ScriptedProcessor.__call__) == before
+    with R.timed_parts() as again:
+        pass
+    run(model, "hf")
+    assert sum(again.values()) == 0
