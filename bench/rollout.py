@@ -162,7 +162,7 @@ def breakdown(secs, total: float, matmul: float) -> dict:
     return {k: v / total for k, v in parts.items()}
 
 
-def bench_engine(model_name, args, docs, group, n_new, real, name=None):
+def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
     """Figures of one model (keys start with `name`, default the model's): tiny presets on long
     documents, --model on an RL step's shape (`real`)."""
     from factual_tools import common
