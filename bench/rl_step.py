@@ -197,7 +197,7 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
                     model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=lora(args))),
                     data=rl.DataConfig(train=docs_path, split=""), autocast="none")
     if lora(args):
-        cfg.max_batch_tokens = 1024  # a group's tree in parts of at most 1024 nodes, as configs/rl_smollm.yaml
+        cfg.max_batch_tokens = 16384  # a group's tree a pass, as configs/rl_smollm.yaml
     cfg.sampling.max_new_tokens = args.new_tokens
     cfg.sampling.temperature = 1.0
     cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=0)
