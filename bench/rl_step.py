@@ -47,6 +47,7 @@ of every forward pass it made, with their backward products for the update):
 """
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -109,6 +110,7 @@ def tool_messages(document: str) -> list[dict]:
             {"role": "user", "content": f"Summarise this article.\n\n{document}"}]
 
 
+@functools.cache
 def search_schema() -> dict:
     from transformers.utils import get_json_schema
 

@@ -1132,7 +1132,7 @@ def timed_parts():
              (sandbox.EpisodeBuilder, "end_turn", "sandbox"), (ScriptedProcessor, "__call__", "script (bench only)")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in parts]
     _register_attention()
-    attention = AttentionInterface._global_mapping[GQA_ATTENTION]
+    attention = _attention  # what _register_attention put under GQA_ATTENTION
     try:
         for (owner, attr, part), (_, _, fn) in zip(parts, saved):
             setattr(owner, attr, timed(fn, part))
