@@ -8,6 +8,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The scripts and benches the tests run as subprocesses inherit this: with one pytest worker per
+# core, a subprocess on torch's default (every core) spin-waits against the other worker, and a
+# bench that takes 12 s alone took over 280 s beside a second one.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():

@@ -60,12 +60,13 @@ def test_the_turn_plan_finds_its_turn_and_place_in_every_context_trl_sends():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 90 s alone on two cores; a slower CI machine took over 300
 def test_rl_step_with_a_real_model_runs_its_planned_tool_calls():
     """Without TRL the bench still runs rl.py's side, and every rollout makes the planned calls
     (searches only; with deletes, two of each)."""
     out = subprocess.run([sys.executable, "bench/rl_step.py", "--model", "smollm2-135m", "--prompts", "1", "--group",
                           "2", "--new-tokens", "48", "--tool-calls", "2", "--steps", "1", "--reps", "1",
-                          "--threads", "2", "--trl-python", "/nonexistent/python"],
+                          "--threads", "1", "--trl-python", "/nonexistent/python"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     fig = json.loads(out.stdout.strip().splitlines()[-1])
