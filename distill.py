@@ -238,14 +238,15 @@ def kd_setting(teacher_tok, student_tok, cfg: KDConfig) -> tuple[float, str]:
 
 
 def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_tokens: int = 16384,
-                     prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     prompt: bool = False, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, V) the logits that predict every generated id of `episodes`, (N,)
     those ids and (N,) a bool mask of the generated ones: episodes, branches and
     turns in order, each id once, under the context it was generated in. With
     `prompt`, every position of every branch instead (the prompt and injected
     results too, the mask telling them apart). Branches are right-padded
     sequences; only the needed positions go through the output head
-    (`logits_to_keep`)."""
+    (`logits_to_keep`). With `hidden`, the (N, d) last hidden states of the
+    decoder at those positions instead, the head left to the caller."""
     dev = next(model.parameters()).device
     branches = [b for ep in episodes for b in ep.branches()]
     chunks, cur = [], []
@@ -255,7 +256,7 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
             cur = []
         cur.append(b)
     chunks += [cur] if cur else []
-    logits, targets, generated = [], [], []
+    outs, targets, generated = [], [], []
     for chunk in chunks:
         width = rollout.bucketed(max(len(b.input_ids) for b in chunk), dev)  # few shapes under bf16
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -271,11 +272,64 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
         keep = sorted({p for w in wanted for p in w})
         col = {p: k for k, p in enumerate(keep)}
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                    logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
+        inputs = dict(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev))
+        if hidden:
+            out = model.get_decoder()(**inputs).last_hidden_state[:, keep]  # (B, K, d)
+        else:
+            out = model(**inputs, logits_to_keep=torch.tensor(keep, device=dev)).logits  # (B, K, V)
         for i, w in enumerate(wanted):
-            logits.append(out[i, torch.tensor([col[p] for p in w], device=dev, dtype=torch.long)])
-    return torch.cat(logits), torch.tensor(targets, device=dev), torch.tensor(generated, device=dev)
+            outs.append(out[i, torch.tensor([col[p] for p in w], device=dev, dtype=torch.long)])
+    return torch.cat(outs), torch.tensor(targets, device=dev), torch.tensor(generated, device=dev)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """distill_loss's (1 - w) CE + w T^2 KL from the student's and the teacher's hidden
+    states through their output heads, a chunk of positions at a time: each chunk's
+    logits are made, used for the loss and its gradient (CE: softmax - one-hot; KD:
+    T (q - p)), and dropped; only the gradients of the hidden states and of the head's
+    weight are kept. A step's whole logits (with kd.prompt, 3,200 positions x SmolLM2's
+    49k words: 0.6 GB a copy, and the logits path holds the student's, the teacher's,
+    their concatenations and a gradient) never exist."""
+
+    @staticmethod
+    def forward(ctx, h, weight, h_t, weight_t, targets, gen, spec):
+        ce_scale, kd_scale, temperature, vocab, chunk = spec
+        ce = torch.zeros((), dtype=torch.float32, device=h.device)
+        kd = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
+        for a in range(0, h.shape[0], chunk):
+            z = (h[a:a + chunk] @ weight.T).float()  # (c, V) in autocast's dtype, then float32
+            log_q = F.log_softmax(z[:, :vocab] / temperature, dim=-1)
+            log_p = F.log_softmax((h_t[a:a + chunk] @ weight_t.T).float()[:, :vocab] / temperature, dim=-1)
+            p = log_p.exp()
+            kd += (p * (log_p - log_q)).sum()
+            dz = torch.zeros_like(z)
+            dz[:, :vocab] = (log_q.exp_() - p).mul_(temperature * kd_scale)
+            g = gen[a:a + chunk]
+            if g.any():
+                rows, tg = g.nonzero()[:, 0], targets[a:a + chunk][g]
+                log_s = F.log_softmax(z[rows], dim=-1)
+                ce -= log_s.gather(-1, tg[:, None]).sum()
+                d_ce = log_s.exp_()
+                d_ce[torch.arange(len(tg), device=h.device), tg] -= 1.0
+                dz[rows] += d_ce.mul_(ce_scale)
+            grad_h[a:a + chunk] = dz @ weight
+            grad_w += dz.T @ h[a:a + chunk]
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(ce, kd)
+        kd = kd * (temperature * temperature)
+        return ce * ce_scale + kd * kd_scale, ce, kd
+
+    @staticmethod
+    def backward(ctx, g, _ce, _kd):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None
+
+
+def plain_heads(*models) -> bool:
+    """Whether every model's logits are a bias-free linear head on its decoder's last hidden
+    state (`rollout.head_is_plain`), so that _HeadLoss can apply the heads itself."""
+    return all(rollout.head_is_plain(m) and m.get_output_embeddings().bias is None for m in models)
 
 
 def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
@@ -285,21 +339,34 @@ def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
 
 
 def distill_loss(student, teacher, episodes, n_tokens: int, *, kd_weight: float, temperature: float,
-                 vocab: int, max_batch_tokens: int = 16384, prompt: bool = False, n_kd: int = 0
-                 ) -> tuple[torch.Tensor, float, float]:
+                 vocab: int, max_batch_tokens: int = 16384, prompt: bool = False, n_kd: int = 0,
+                 fused: bool | None = None, chunk: int = 256) -> tuple[torch.Tensor, float, float]:
     """(loss, ce, kd) of a micro-batch: loss = (1 - w) ce + w kd. ce is the sum
     over its generated tokens divided by `n_tokens` (the step's count); kd the
     sum over the KD positions (`kd_positions`) divided by `n_kd` (the step's count
     of them; `n_tokens` when 0). KD compares the first `vocab` logits (heads
-    padded past the vocabulary differ)."""
+    padded past the vocabulary differ). `fused` (the default where both heads are
+    plain, `plain_heads`): the heads applied `chunk` positions at a time (_HeadLoss);
+    else the whole logits, the KD term a chunk at a time (`kd_loss`)."""
     if kd_weight <= 0:
         ce = training.sequence_loss(student, episodes, n_tokens, max_batch_tokens)
         return ce, ce.item(), math.nan
+    n_kd = n_kd or n_tokens
+    if fused is None:
+        fused = plain_heads(student, teacher)
+    if fused:
+        h, targets, gen = generated_logits(student, episodes, max_batch_tokens, prompt, hidden=True)
+        with torch.no_grad():
+            h_t, _, _ = generated_logits(teacher, episodes, max_batch_tokens, prompt, hidden=True)
+        spec = ((1 - kd_weight) / max(1, n_tokens), kd_weight / max(1, n_kd), temperature, vocab, chunk)
+        loss, ce, kd = _HeadLoss.apply(h, student.get_output_embeddings().weight, h_t,
+                                       teacher.get_output_embeddings().weight.detach(), targets, gen, spec)
+        return loss, ce.item() / max(1, n_tokens), kd.item() / max(1, n_kd)
     s_logits, targets, gen = generated_logits(student, episodes, max_batch_tokens, prompt)
     with torch.no_grad():
         t_logits, _, _ = generated_logits(teacher, episodes, max_batch_tokens, prompt)
     ce = F.cross_entropy(s_logits[gen].float(), targets[gen], reduction="sum") / max(1, n_tokens)
-    kd = kd_loss(s_logits[:, :vocab], t_logits[:, :vocab], temperature) / max(1, n_kd or n_tokens)
+    kd = kd_loss(s_logits[:, :vocab], t_logits[:, :vocab], temperature) / max(1, n_kd)
     return (1 - kd_weight) * ce + kd_weight * kd, ce.item(), kd.item()
 
 

@@ -884,7 +884,7 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
     rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w] + pad, dtype=torch.long, device=dev)
     pos = torch.tensor([p for w in wanted for p in w] + pad, dtype=torch.long, device=dev)
     tg = torch.tensor([x for tgt in targets for x in tgt] + pad, dtype=torch.long, device=dev)
-    if _head_is_plain(model):  # the decoder, then the head on the wanted pairs only
+    if head_is_plain(model):  # the decoder, then the head on the wanted pairs only
         h = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **attention).last_hidden_state
         logits = model.get_output_embeddings()(h[rows, pos])
@@ -898,7 +898,7 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
     return list(logp.split([len(w) for w in wanted]))
 
 
-def _head_is_plain(model) -> bool:
+def head_is_plain(model) -> bool:
     """Whether the model's logits are its output embeddings applied to its decoder's
     last hidden state (Llama, Qwen, Mistral; not a model that soft-caps or scales
     them). Checked once per model on a few positions, and remembered."""

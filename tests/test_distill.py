@@ -190,6 +190,43 @@ def test_kd_on_the_prompt_covers_every_position_and_leaves_the_cross_entropy_alo
     assert kd_self == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("prompt", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_a_chunk_at_a_time_gives_the_logits_paths_loss_and_gradient(prompt, tied):
+    """With plain heads, distill_loss takes the decoders' hidden states and applies both heads a
+    chunk of positions at a time (never the (N, V) logits), writing the gradients itself: the
+    same loss, CE and KD, and the same gradient on every student weight, as autograd through
+    the whole logits. The heads have rows past the vocabulary (padding: CE sees them, KD not),
+    the chunk does not divide the positions, and a tied head takes the embedding's gradient too."""
+    student = tiny_llama(TOK, seed=1, hidden=32, layers=1)
+    teacher = tiny_llama(TOK, seed=2, hidden=32, layers=1).eval()
+    for m, seed in ((student, 3), (teacher, 4)):  # 5 padding rows past the vocabulary
+        m.resize_token_embeddings(len(TOK) + 5)
+        torch.manual_seed(seed)
+        m.get_output_embeddings().weight.data.normal_(0, 0.3)
+        if tied:
+            m.get_output_embeddings().weight = m.get_input_embeddings().weight
+    student.eval()  # no dropout: the two paths must see the same network
+    eps = [distill.summary_episode(teacher_episode()).tokenized(TOK), teacher_episode()]
+    n = sum(sft.n_generated(e) for e in eps)
+    n_kd = sum(distill.kd_positions(e, prompt) for e in eps)
+    kw = dict(kd_weight=0.3, temperature=2.0, vocab=len(TOK), max_batch_tokens=300, prompt=prompt, n_kd=n_kd)
+
+    def loss_and_grads(fused: bool):
+        student.zero_grad()
+        loss, ce, kd = distill.distill_loss(student, teacher, eps, n, fused=fused, chunk=7, **kw)
+        (2.0 * loss).backward()
+        return loss.item(), ce, kd, {k: p.grad.clone() for k, p in student.named_parameters()}
+
+    ref, got = loss_and_grads(False), loss_and_grads(True)
+    assert got[:3] == pytest.approx(ref[:3], rel=1e-5)
+    assert ref[1] > 0.1 and ref[2] > 0.01  # both terms are there to get wrong
+    for k, g in ref[3].items():
+        assert torch.allclose(got[3][k], g, rtol=1e-4, atol=1e-6), k
+        assert g.abs().sum() > 0, k  # every weight is reached, the head included
+    assert distill.distill_loss(student, teacher, eps, n, **kw)[0].item() == pytest.approx(ref[0], rel=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------

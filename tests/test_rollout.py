@@ -558,7 +558,7 @@ def test_a_model_that_post_processes_its_logits_is_scored_through_its_own_forwar
     eps = run(plain, "hf", docs=DOCS[:2], group=1)
     for m in (plain, capped):
         m.train()  # the check runs in eval mode whatever mode the model is in
-        assert R._head_is_plain(m) is (m is plain)
+        assert R.head_is_plain(m) is (m is plain)
         got = R.episode_logprobs(m, eps)
         want = R.episode_logprobs(m, eps, method="branch")  # the reference path: one sequence per branch
         for a, b in zip(got, want):
