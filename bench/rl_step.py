@@ -199,7 +199,7 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
                     model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=lora(args))),
                     data=rl.DataConfig(train=docs_path, split=""), autocast="none")
     if lora(args):
-        cfg.max_batch_tokens = 16384  # a group's tree a pass, as configs/rl_smollm.yaml
+        cfg.max_batch_tokens = args.max_batch_tokens  # 16384: a group's tree a pass, as configs/rl_smollm.yaml
     cfg.sampling.max_new_tokens = args.new_tokens
     cfg.sampling.temperature = 1.0
     cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=0)
@@ -356,6 +356,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up step)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
+    ap.add_argument("--max-batch-tokens", type=int, default=16384,
+                    help="with --model: rl.py's max_batch_tokens (smaller: group trees scored in parts)")
     ap.add_argument("--method", choices=["group", "tree", "branch"], default="group", help="rl.py's scoring path")
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter that has trl installed")
     ap.add_argument("--trl-only", action="store_true", help=argparse.SUPPRESS)

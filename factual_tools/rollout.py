@@ -396,7 +396,10 @@ def _register_attention() -> None:
 def grouped_kv_attention(model):
     """Inside the block, a model loaded with `sdpa` attends through `_attention`
     (its config is shared by every layer, and a PEFT wrapper's is its base's);
-    any other implementation is left as it is."""
+    any other implementation is left as it is. A model with gradient checkpointing
+    keeps `_attention` after the block: its layers are recomputed in the backward,
+    after the block, and must attend as they did (`_attention` is sdpa's function
+    for every call that passes none of its own arguments)."""
     cfg = model.config
     if getattr(cfg, "_attn_implementation", None) != "sdpa":
         yield model
@@ -406,7 +409,8 @@ def grouped_kv_attention(model):
     try:
         yield model
     finally:
-        cfg._attn_implementation = "sdpa"
+        if not getattr(model, "is_gradient_checkpointing", False):
+            cfg._attn_implementation = "sdpa"
 
 
 def _shares_prompts(model) -> bool:

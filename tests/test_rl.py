@@ -355,14 +355,15 @@ SCRIPTS = [DELETE_SCRIPT, "Acme grew.<search>Jane Doe</search> Jane Doe resigned
            "Revenue fell.<delete scope=\"sentence\"/> Acme rose.", "Globex fell 2%."]
 
 
-@pytest.mark.parametrize("advantage, micro_groups, vllm_shift, max_batch_tokens", [
-    ("outcome", 1, None, 16384), ("outcome", 2, None, 16384), ("turn", 1, None, 16384),
-    ("outcome", 2, None, 300),  # group trees split into parts of a rollout or two (micro_batches)
-    ("outcome", 1, -0.1, 16384), ("outcome", 1, -0.4, 16384),  # the vLLM path: IS weight exp(0.1) = 1.105;
-])                                                             # exp(0.4) capped at 1.2
+@pytest.mark.parametrize("advantage, micro_groups, vllm_shift, max_batch_tokens, checkpointing", [
+    ("outcome", 1, None, 16384, False), ("outcome", 2, None, 16384, False), ("turn", 1, None, 16384, False),
+    ("outcome", 2, None, 300, False),  # group trees split into parts of a rollout or two (micro_batches)
+    ("outcome", 2, None, 16384, True),  # layers recomputed in the backward, through the same tree attention
+    ("outcome", 1, -0.1, 16384, False), ("outcome", 1, -0.4, 16384, False),  # the vLLM path: IS weight
+])                                                                            # exp(0.1); exp(0.4) capped at 1.2
 def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, docs, tmp_path, monkeypatch,
                                                                       advantage, micro_groups, vllm_shift,
-                                                                      max_batch_tokens):
+                                                                      max_batch_tokens, checkpointing):
     """rl.main's own gradient, just before the optimizer step, against one computed
     here from its rollouts (scripted, so they search and delete): A = R - mean(R of
     the group), plus with advantage=turn the call's ToolMatch value minus the group's
@@ -434,6 +435,7 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
                  sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2,
                  autocast="none", max_batch_tokens=max_batch_tokens)  # the gradient computed here is fp32's;
     # `auto` may pick bf16 on this CPU
+    cfg.model.gradient_checkpointing = checkpointing
     if vllm_shift is not None:
         fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted R.rollout above
         cfg.sampling.backend = "vllm"
