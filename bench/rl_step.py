@@ -5,9 +5,11 @@
     python bench/rl_step.py --model smollm2-135m --threads 2 --trl-python /path/to/python-with-trl
 
 Both trainers get the same policy, the same news-world documents, the same G,
-completion limit, temperature 1, learning rate, beta = 0 and one inner epoch,
-and the same cheap reward (distinct words of the completion), so the comparison
-is the rollout + update machinery, not the reward. TRL runs
+completion limit, temperature 1, learning rate, beta = 0, one inner epoch,
+gradient checkpointing (`--checkpointing`, on by default: TRL's GRPOConfig
+default, and configs/rl_smollm.yaml's) and the same cheap reward (distinct
+words of the completion), so the comparison is the rollout + update
+machinery, not the reward. TRL runs
 `GRPOTrainer(loss_type="dr_grpo", scale_rewards="none")` with HF `generate`;
 rl.py runs its engine (prompt prefilled once per group, KV cache kept across
 tool calls) and group-tree scoring. Each side runs `--steps` measured steps
@@ -196,7 +198,8 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
     data.write_jsonl(docs_path, documents(args.prompts * (args.steps + 1)))
     cfg = rl.Config(name="bench", runs_dir=tmp, resume="none", steps=args.steps + 1, prompts_per_step=args.prompts,
                     group_size=args.group, micro_groups=args.prompts, lr=LR, save_every=0, score_method=args.method,
-                    model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=lora(args))),
+                    model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=lora(args)),
+                                               gradient_checkpointing=args.checkpointing == "on"),
                     data=rl.DataConfig(train=docs_path, split=""), autocast="none")
     if lora(args):
         cfg.max_batch_tokens = args.max_batch_tokens  # 16384: a group's tree a pass, as configs/rl_smollm.yaml
@@ -308,7 +311,8 @@ def run_trl(args, tmp: str) -> dict:
                        num_generations=args.group, per_device_train_batch_size=args.prompts * args.group,
                        gradient_accumulation_steps=1, max_completion_length=args.new_tokens + extra, temperature=1.0,
                        learning_rate=LR, max_steps=args.steps + 1, logging_steps=1, report_to="none",
-                       save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_dropout=True)
+                       save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_dropout=True,
+                       gradient_checkpointing=args.checkpointing == "on")
     peft_config = None
     if lora(args):
         from peft import LoraConfig
@@ -337,7 +341,7 @@ def run_trl(args, tmp: str) -> dict:
 def trl_subprocess(args) -> dict | None:
     cmd = [args.trl_python, os.path.abspath(__file__), "--trl-only", "--model", args.model, "--prompts", str(args.prompts),
            "--group", str(args.group), "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--tool-calls", str(args.tool_calls)]
+           "--threads", str(args.threads), "--tool-calls", str(args.tool_calls), "--checkpointing", args.checkpointing]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     if out.returncode != 0:
         print(f"TRL run failed ({args.trl_python}):\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -356,6 +360,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up step)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
+    ap.add_argument("--checkpointing", choices=["on", "off"], default="on",
+                    help="gradient checkpointing on both sides (on: TRL's GRPOConfig default and rl_smollm.yaml's)")
     ap.add_argument("--max-batch-tokens", type=int, default=16384,
                     help="with --model: rl.py's max_batch_tokens (smaller: group trees scored in parts)")
     ap.add_argument("--method", choices=["group", "tree", "branch"], default="group", help="rl.py's scoring path")
@@ -391,7 +397,7 @@ def main():
     n_rollouts = args.prompts * args.group
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
     fig = {"model": args.model, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
-           "threads": args.threads}
+           "threads": args.threads, "checkpointing": args.checkpointing}
     sides = [("ours", ours), ("ours_delete", dels), ("trl", trl)]
     for name, runs in sides:
         if runs:
