@@ -292,7 +292,10 @@ class _HeadLoss(torch.autograd.Function):
     their concatenations and a gradient) never exist."""
 
     @staticmethod
-    def forward(ctx, h, weight, h_t, weight_t, targets, gen, spec):
+    def forward(ctx, h, weight, teacher, labels, spec):
+        """teacher: its (hidden states, head weight); labels: (targets, the generated mask); spec:
+        (CE's scale, KD's scale, T, the vocabulary, positions a chunk)."""
+        (h_t, weight_t), (targets, gen) = teacher, labels
         ce_scale, kd_scale, temperature, vocab, chunk = spec
         ce = torch.zeros((), dtype=torch.float32, device=h.device)
         kd = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -323,7 +326,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _ce, _kd):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None
+        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None
 
 
 def plain_heads(*models) -> bool:
@@ -359,8 +362,8 @@ def distill_loss(student, teacher, episodes, n_tokens: int, *, kd_weight: float,
         with torch.no_grad():
             h_t, _, _ = generated_logits(teacher, episodes, max_batch_tokens, prompt, hidden=True)
         spec = ((1 - kd_weight) / max(1, n_tokens), kd_weight / max(1, n_kd), temperature, vocab, chunk)
-        loss, ce, kd = _HeadLoss.apply(h, student.get_output_embeddings().weight, h_t,
-                                       teacher.get_output_embeddings().weight.detach(), targets, gen, spec)
+        loss, ce, kd = _HeadLoss.apply(h, student.get_output_embeddings().weight,
+                                       (h_t, teacher.get_output_embeddings().weight.detach()), (targets, gen), spec)
         return loss, ce.item() / max(1, n_tokens), kd.item() / max(1, n_kd)
     s_logits, targets, gen = generated_logits(student, episodes, max_batch_tokens, prompt)
     with torch.no_grad():
