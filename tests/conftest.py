@@ -10,7 +10,7 @@ if ROOT not in sys.path:
 
 # The scripts and benches the tests run as subprocesses inherit this: with one pytest worker per
 # core, a subprocess on torch's default (every core) spin-waits against the other worker, and a
-# bench that takes 12 s alone took over 280 s beside a second one.
+# bench that takes 12 s alone took over 280 s on CI beside a second one.
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
