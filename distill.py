@@ -187,6 +187,16 @@ def keep_episode(ep: sandbox.Episode, score: dict | None, cfg: GenerateConfig) -
     return True
 
 
+def _kl_chunk(s: torch.Tensor, t: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of positions: the sum of KL(softmax(t / T) || softmax(s / T)) and
+    q - p (q = softmax(s / T), p = softmax(t / T)), both in float32; the KL's gradient
+    with respect to s is (q - p) / T."""
+    log_q = F.log_softmax(s.float() / temperature, dim=-1)
+    log_p = F.log_softmax(t.float() / temperature, dim=-1)
+    p = log_p.exp()
+    return (p * (log_p - log_q)).sum(), log_q.exp_().sub_(p)
+
+
 class _ChunkedKD(torch.autograd.Function):
     """T^2 KL(softmax(t / T) || softmax(s / T)) summed over positions, a chunk of
     positions at a time, its gradient written in closed form: d/ds = T (q - p), with
@@ -201,11 +211,9 @@ class _ChunkedKD(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=s.device)
         grad = torch.empty_like(s)
         for a in range(0, s.shape[0], chunk):
-            log_q = F.log_softmax(s[a:a + chunk].float() / temperature, dim=-1)
-            log_p = F.log_softmax(t[a:a + chunk].float() / temperature, dim=-1)
-            p = log_p.exp()
-            loss += (p * (log_p - log_q)).sum()
-            grad[a:a + chunk] = (log_q.exp_() - p).mul_(temperature)
+            kl, q_minus_p = _kl_chunk(s[a:a + chunk], t[a:a + chunk], temperature)
+            loss += kl
+            grad[a:a + chunk] = q_minus_p.mul_(temperature)
         ctx.save_for_backward(grad)
         return loss * (temperature * temperature)
 
@@ -302,12 +310,10 @@ class _HeadLoss(torch.autograd.Function):
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(weight, dtype=torch.float32)
         for a in range(0, h.shape[0], chunk):
             z = (h[a:a + chunk] @ weight.T).float()  # (c, V) in autocast's dtype, then float32
-            log_q = F.log_softmax(z[:, :vocab] / temperature, dim=-1)
-            log_p = F.log_softmax((h_t[a:a + chunk] @ weight_t.T).float()[:, :vocab] / temperature, dim=-1)
-            p = log_p.exp()
-            kd += (p * (log_p - log_q)).sum()
+            kl, q_minus_p = _kl_chunk(z[:, :vocab], (h_t[a:a + chunk] @ weight_t.T)[:, :vocab], temperature)
+            kd += kl
             dz = torch.zeros_like(z)
-            dz[:, :vocab] = (log_q.exp_() - p).mul_(temperature * kd_scale)
+            dz[:, :vocab] = q_minus_p.mul_(temperature * kd_scale)
             g = gen[a:a + chunk]
             if g.any():
                 rows, tg = g.nonzero()[:, 0], targets[a:a + chunk][g]
