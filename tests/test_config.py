@@ -688,6 +688,41 @@ def test_every_config_file_loads():
     assert not failures, "\n".join(failures)
 
 
+def _leaves(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _resolved(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = cfg.get(part, "(unset)") if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+def test_a_config_that_extends_another_sets_only_what_differs():
+    """A delta config (`extends:`) that repeats its base's value hides what the variant changes:
+    the drgrpo_v17 -> v18 -> v19 recipe reads as three short files, each setting what it changes."""
+    import yaml
+
+    repeated, deltas = [], set()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict) or "extends" not in data:
+            continue
+        deltas.add(path.name)
+        module = importlib.import_module(script_for(path.name))
+        base = load_config(module.Config, ["--config", str(path.parent / data["extends"])])
+        mine = load_config(module.Config, ["--config", str(path)])
+        repeated += [f"{path.name}: {key}={_resolved(mine, key)!r} is its base's value"
+                     for key, _ in _leaves({k: v for k, v in data.items() if k != "extends"})
+                     if _resolved(base, key) == _resolved(mine, key)]
+    assert {"drgrpo_v18.yaml", "drgrpo_v19.yaml"} <= deltas
+    assert not repeated, "\n".join(repeated)
+
+
 def test_unsloth_configs_score_branch_by_branch():
     """Unsloth's fused attention takes no 4D masks: tree (and group-tree) scoring cannot run
     there, so a config that asks for it fails at load time, naming the key; the shipped GPU
