@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 import rewards
 import sandbox
-from factual_tools import common, evaluation, modeling, rollout, settings, training
+from factual_tools import common, engine, evaluation, modeling, scoring, settings, training
 
 
 @dataclass
@@ -266,7 +266,7 @@ def generated_logits(model, episodes: Sequence[sandbox.Episode], max_batch_token
     chunks += [cur] if cur else []
     outs, targets, generated = [], [], []
     for chunk in chunks:
-        width = rollout.bucketed(max(len(b.input_ids) for b in chunk), dev)  # few shapes under bf16
+        width = scoring.bucketed(max(len(b.input_ids) for b in chunk), dev)  # few shapes under bf16
         ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         wanted = []
@@ -337,8 +337,8 @@ class _HeadLoss(torch.autograd.Function):
 
 def plain_heads(*models) -> bool:
     """Whether every model's logits are a bias-free linear head on its decoder's last hidden
-    state (`rollout.head_is_plain`), so that _HeadLoss can apply the heads itself."""
-    return all(rollout.head_is_plain(m) and m.get_output_embeddings().bias is None for m in models)
+    state (`scoring.head_is_plain`), so that _HeadLoss can apply the heads itself."""
+    return all(scoring.head_is_plain(m) and m.get_output_embeddings().bias is None for m in models)
 
 
 def kd_positions(ep: sandbox.Episode, prompt: bool) -> int:
@@ -447,11 +447,11 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
         if saved["stamp"] == stamp:
             return sandbox.read_episodes(str(path)), {**saved["funnel"], "cached": True}
     g = cfg.generate
-    scfg = rollout.SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens,
+    scfg = engine.SamplingConfig(temperature=g.temperature, max_new_tokens=g.max_new_tokens,
                                   batch_size=g.batch_size, seed=cfg.seed)
     t0 = time.perf_counter()
-    eps = rollout.rollout(teacher, tok, docs, g.samples_per_doc, scfg, limits,
-                          generator=rollout.make_generator(cfg.seed, teacher), progress="teacher summaries")
+    eps = engine.rollout(teacher, tok, docs, g.samples_per_doc, scfg, limits,
+                          generator=engine.make_generator(cfg.seed, teacher), progress="teacher summaries")
     docs_rep = [d for d in docs for _ in range(g.samples_per_doc)]
     scores = rewards.score_batch(list(zip(docs_rep, eps)), cfg.reward) if g.filter in ("pass", "factuality") \
         else [None] * len(eps)
@@ -574,7 +574,7 @@ def main(cfg: Config) -> dict:
     train, skipped = training.tokenize_episodes(make_targets(episodes, cfg.target, same), tok, cfg.data.max_tokens)
     if not train:
         raise SystemExit(f"every target is longer than data.max_tokens={cfg.data.max_tokens}")
-    checked = rollout.validate_masks(train, tok, cfg.mask_check, cfg.seed)
+    checked = scoring.validate_masks(train, tok, cfg.mask_check, cfg.seed)
     print(f"targets ({cfg.target}): {len(train)} ({skipped} over {cfg.data.max_tokens} tokens skipped), "
           f"{statistics.fmean(map(training.n_generated, train)):.0f} generated tokens each; "
           f"mask validation on {checked}; student {common.count_parameters(model):,} parameters, "

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 import rewards
 import sandbox
-from factual_tools import common, evaluation, modeling, rollout, settings, vram
+from factual_tools import common, engine, evaluation, modeling, scoring, settings, vram
 from factual_tools.training import DataConfig, load_documents
 
 
@@ -78,7 +78,7 @@ class Config:
     init: str = ""  # start from this directory (an SFT run's final/): full weights (LoRA on top), or an adapter
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    sampling: rollout.SamplingConfig = field(default_factory=rollout.SamplingConfig)
+    sampling: engine.SamplingConfig = field(default_factory=engine.SamplingConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     # Decode-time tool ban, as eval.py's `tools` (evaluation.TOOLS_BANNED): "none" keeps <search and
     # <delete out of every rollout and held-out episode (the tool-free control); the reward is unchanged
@@ -317,9 +317,9 @@ def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperatur
     """(T,) log-probs of every generated token under its own context, differentiable. Group
     scoring makes a tree of every `group` consecutive rollouts (default: the group size)."""
     if cfg.score_method == "group":
-        return flat(rollout.group_logprobs(model, episodes, group or cfg.group_size, temperature,
+        return flat(scoring.group_logprobs(model, episodes, group or cfg.group_size, temperature,
                                            cfg.max_batch_tokens))
-    return flat(rollout.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
+    return flat(scoring.episode_logprobs(model, episodes, temperature=temperature, method=cfg.score_method,
                                          max_batch_tokens=cfg.max_batch_tokens))
 
 
@@ -450,7 +450,7 @@ def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
                          "model.fast_inference=true")
     lora = bool(getattr(model, "peft_config", None))
     ref_copy = modeling.frozen_copy(model) if cfg.beta > 0 and not lora else None  # before any resume
-    gen = rollout.make_generator(rank_seed(cfg.seed, dist.rank), model)  # each rank samples its own draws
+    gen = engine.make_generator(rank_seed(cfg.seed, dist.rank), model)  # each rank samples its own draws
     scorer = rewards.Scorer(cfg.reward)
     train_docs, eval_docs, teacher = training_documents(cfg, tok, custom_reward)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -475,7 +475,7 @@ def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
     return t
 
 
-def sample(t: Trainer, documents, group: int, scfg: rollout.SamplingConfig, generator=None) -> list[sandbox.Episode]:
+def sample(t: Trainer, documents, group: int, scfg: engine.SamplingConfig, generator=None) -> list[sandbox.Episode]:
     """`group` rollouts of each document under the current weights."""
     if t.vllm:
         # Unsloth's GRPO trainer refreshes vLLM the same way before each generation:
@@ -483,11 +483,11 @@ def sample(t: Trainer, documents, group: int, scfg: rollout.SamplingConfig, gene
         # adapter tensors (unsloth_zoo.vllm_utils.load_lora; it writes only the adapter
         # config to `path`, once), passed on to `LLM.generate(..., lora_request=...)`.
         lora_request = t.model.load_lora(str(t.run.dir / "vllm_lora"), load_tensors=True)
-        return rollout.rollout_vllm(t.model.vllm_engine, t.tok, documents, group, scfg, t.limits,
+        return engine.rollout_vllm(t.model.vllm_engine, t.tok, documents, group, scfg, t.limits,
                                     lora_request=lora_request)
     ban = {"logits_processor": t.ban} if t.ban is not None else {}  # the tool ban (Config.tools) when set
     with t.amp():
-        return rollout.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator, **ban)
+        return engine.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator, **ban)
 
 
 def evaluate(t: Trainer) -> dict:
@@ -501,7 +501,7 @@ def evaluate(t: Trainer) -> dict:
                              tools=cfg.tools)
     greedy = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
     figures = evaluation.greedy_eval(t.model, t.tok, t.eval_docs, ecfg, generate=lambda docs: sample(
-        t, docs, 1, greedy, rollout.make_generator(cfg.seed, t.model)))[0]
+        t, docs, 1, greedy, engine.make_generator(cfg.seed, t.model)))[0]
     out = {f"eval_{k}": v for k, v in figures.items()}
     evaluation.log_eval(t.run, t.step, out)
     if cfg.eval.keep_best:
@@ -558,7 +558,7 @@ def update_batches(t: Trainer, eps: list[sandbox.Episode], turn_adv: list) -> li
     """The step's micro-batches of whole groups, with token advantages, the sampler's log-probs and,
     when beta > 0, the reference's. Groups whose every advantage is 0 are left out when beta == 0."""
     cfg, G = t.cfg, t.cfg.group_size
-    rollout.validate_masks(eps, t.tok)  # every rollout, before every update
+    scoring.validate_masks(eps, t.tok)  # every rollout, before every update
     keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
             if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
             for i in range(g, g + G)]
@@ -606,7 +606,7 @@ def tree_parts(group: list[sandbox.Episode], max_nodes: int) -> list[int]:
     """Sizes of the runs of consecutive rollouts that split `group`'s tree into trees of at most
     `max_nodes` nodes (a rollout whose own tree is larger goes alone): the prompt once, plus each
     rollout's own nodes (an upper bound: rollouts that open alike share more)."""
-    sizes = [len(rollout.episode_trees([e], None)[0].ids) for e in group]
+    sizes = [len(scoring.episode_trees([e], None)[0].ids) for e in group]
     prompt = len(group[0].prompt_ids or [])
     parts, nodes = [], 0
     for n in sizes:

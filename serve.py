@@ -19,7 +19,7 @@ Endpoints:
   histograms, tool calls, generated tokens, passes, unsupported-claim flags).
 
 Episodes decode through the same engine and sandbox as training and evaluation
-(`rollout.rollout`, greedy; `rollout.rollout_vllm` with `--backend vllm`) and
+(`engine.rollout`, greedy; `engine.rollout_vllm` with `--backend vllm`) and
 are scored by the same reward (`rewards.score_batch`). Requests are batched: the
 first waits up to `batch_wait_ms` for others, up to `batch_size` decode as one
 engine batch, and requests arriving meanwhile queue for the next batch. Every
@@ -74,7 +74,7 @@ from typing import Literal
 
 import rewards
 import sandbox
-from factual_tools import common, evaluation, modeling, rollout, settings
+from factual_tools import common, engine, evaluation, modeling, settings
 
 ROUTES = ("/v1/summarize", "/health", "/metrics")
 
@@ -267,10 +267,10 @@ class Engine:
     def run(self, documents: list[str]) -> list[tuple[dict, sandbox.Episode]]:
         """(response body, episode) per document, in order."""
         if self.cfg.backend == "hf":
-            eps = rollout.rollout(self.model, self.tok, documents, 1, self.greedy, self.limits,
+            eps = engine.rollout(self.model, self.tok, documents, 1, self.greedy, self.limits,
                                   logits_processor=self.ban)
         else:  # pragma: no cover - GPU stack
-            eps = rollout.rollout_vllm(self.model, self.tok, documents, 1, self.greedy, self.limits,
+            eps = engine.rollout_vllm(self.model, self.tok, documents, 1, self.greedy, self.limits,
                                        lora_request=self.lora)
         scores = rewards.score_batch(list(zip(documents, eps)), self.cfg.reward)
         return [(episode_response(d, e, s, self.cfg.claim_tau), e) for d, e, s in zip(documents, eps, scores)]

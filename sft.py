@@ -6,7 +6,7 @@
 
 Every episode is trained as its branches (DESIGN.md section 4): the loss covers exactly the generated
 ids, each once, under the context it was generated in; prompt, results and the re-encoded tail after
-a delete are context only. Scoring is `rollout.episode_logprobs`, as in RL and distillation, so SFT
+a delete are context only. Scoring is `scoring.episode_logprobs`, as in RL and distillation, so SFT
 learns exactly the conditionals that rollouts sample.
 
 Modes (`mode`):
@@ -39,7 +39,7 @@ from tqdm import tqdm
 import data
 import rewards
 import sandbox
-from factual_tools import common, evaluation, modeling, rollout, settings
+from factual_tools import common, engine, evaluation, modeling, scoring, settings
 from factual_tools.training import EpochBatches, n_generated, optimizer_step, sequence_loss, tokenize_episodes
 
 
@@ -187,7 +187,7 @@ class Config:
 def episode_logps(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
     """(B,) log p(episode): the sum over its generated ids under the contexts they were
     generated in (branch-exact, as SFT scores them)."""
-    lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
+    lps = scoring.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
     dev = next(model.parameters()).device
     return torch.stack([sum((lp.float().sum() for lp in per_turn if lp is not None and lp.numel()),
                             torch.zeros((), device=dev)) for per_turn in lps])
@@ -430,9 +430,9 @@ def rejection_corpus(model, tokenizer, base, cfg: Config, limits, generator) -> 
     """Rollouts of the current policy on training documents that pass the reward,
     added to the whole base corpus (`mix_rejection`)."""
     docs = held_out_documents(base, cfg.data.docs, cfg.rejection.max_docs)
-    scfg = rollout.SamplingConfig(temperature=cfg.rejection.temperature, max_new_tokens=cfg.eval.max_new_tokens,
+    scfg = engine.SamplingConfig(temperature=cfg.rejection.temperature, max_new_tokens=cfg.eval.max_new_tokens,
                                   seed=cfg.seed)
-    eps = rollout.rollout(model, tokenizer, docs, cfg.rejection.k, scfg, limits, generator=generator)
+    eps = engine.rollout(model, tokenizer, docs, cfg.rejection.k, scfg, limits, generator=generator)
     passed = passing(eps, [d for d in docs for _ in range(cfg.rejection.k)], cfg.reward)
     mixed = mix_rejection(base, passed, cfg.rejection.mix_ratio, cfg.seed)
     print(f"rejection: {len(passed)}/{len(eps)} rollouts passed; corpus {len(base)} base episodes + "
@@ -483,7 +483,7 @@ def main(cfg: Config) -> dict:
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, model)
     amp = lambda: common.autocast(bf16, dev, model)  # noqa: E731  (entered per step: see common.autocast)
     limits = sandbox.Limits.make(**cfg.limits)
-    gen = rollout.make_generator(cfg.seed, model)
+    gen = engine.make_generator(cfg.seed, model)
 
     stream = None
     if cfg.data.generate:
@@ -529,7 +529,7 @@ def main(cfg: Config) -> dict:
             print("kto: warning: one class only; KTO then pushes every episode the same way")
         if not getattr(model, "peft_config", None):  # a full fine-tune's reference: its starting weights
             ref_copy = modeling.frozen_copy(model)
-    checked = rollout.validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
+    checked = scoring.validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 
     lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]

@@ -381,7 +381,7 @@ class ModelDrafter:
         return msgs
 
     def _generate(self, items: Sequence[Item], prefixes: Sequence[str] | None) -> list[sandbox.Episode]:
-        from factual_tools import rollout
+        from factual_tools import engine
 
         out: list[sandbox.Episode | None] = [None] * len(items)
         for rnd in unique_rounds([it.doc.text for it in items]):
@@ -392,7 +392,7 @@ class ModelDrafter:
             seed = self.seed * 100_003 + self.calls
             if prefixes is None:
                 with common.autocast_for(self.cfg.generate.autocast, self.model):
-                    eps = rollout.rollout(self.model, tok, docs, 1, sampling_for(self.cfg.generate, seed))
+                    eps = engine.rollout(self.model, tok, docs, 1, sampling_for(self.cfg.generate, seed))
             else:
                 scripts = {j: forced_ids(self.tok, prefixes[i]) for j, i in enumerate(rnd)}
                 longest = max((len(s) for s in scripts.values()), default=0)
@@ -401,8 +401,8 @@ class ModelDrafter:
                     eps = _continue_vllm(self.model, tok, docs, [scripts[j] for j in range(len(rnd))], sampling)
                 else:
                     with common.autocast_for(self.cfg.generate.autocast, self.model):
-                        eps = rollout.rollout(self.model, tok, docs, 1, sampling,
-                                              logits_processor=rollout.ScriptedProcessor(scripts))
+                        eps = engine.rollout(self.model, tok, docs, 1, sampling,
+                                              logits_processor=engine.ScriptedProcessor(scripts))
             for i, ep in zip(rnd, eps):
                 out[i] = ep
         return out
@@ -428,11 +428,11 @@ class ModelDrafter:
 def _continue_vllm(llm, tokenizer, docs, scripts, sampling):  # pragma: no cover - GPU stack
     """vLLM continuation: the builder is driven through the forced prefix first
     (the sandbox answers its calls), then vLLM generates from its context."""
-    from factual_tools import rollout
+    from factual_tools import engine
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    codec, eos = sandbox.Codec(tokenizer), rollout.stop_ids(tokenizer)
+    codec, eos = sandbox.Codec(tokenizer), engine.stop_ids(tokenizer)
     builders = []
     for d, ids in zip(docs, scripts):
         b = sandbox.EpisodeBuilder(d, sandbox.prompt_ids(tokenizer, d.text), codec, eos_ids=eos)
@@ -444,13 +444,13 @@ def _continue_vllm(llm, tokenizer, docs, scripts, sampling):  # pragma: no cover
     def generate_round(reqs):
         prompts = [TokensPrompt(prompt_token_ids=b.context_ids()) for b, _ in reqs]
         params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max(1, n),
-                                 stop=rollout.API_STOPS, include_stop_str_in_output=True, stop_token_ids=eos)
+                                 stop=engine.API_STOPS, include_stop_str_in_output=True, stop_token_ids=eos)
                   for _, n in reqs]
         return [(list(o.outputs[0].token_ids), None, "length" if o.outputs[0].finish_reason == "length" else "stop")
                 for o in llm.generate(prompts, params, use_tqdm=False)]
 
     live = [b for b in builders if not b.done]
-    rollout.drive_multiturn(live, generate_round, sampling.max_new_tokens)
+    engine.drive_multiturn(live, generate_round, sampling.max_new_tokens)
     return [b.finish() for b in builders]
 
 

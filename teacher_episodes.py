@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import data
 import sandbox
-from factual_tools import common, modeling, rollout, settings, traces
+from factual_tools import common, engine, modeling, settings, traces
 
 PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
@@ -48,7 +48,7 @@ class Config:
     out: str = "out/teacher/cnn_train.jsonl"
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # the hf backend's teacher
     data: DataConfig = field(default_factory=DataConfig)
-    sampling: rollout.SamplingConfig = field(default_factory=lambda: rollout.SamplingConfig(
+    sampling: engine.SamplingConfig = field(default_factory=lambda: engine.SamplingConfig(
         backend="api", temperature=0.0, max_new_tokens=512))
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     chunk: int = 16  # documents per rollout call (and per append to `out`)
@@ -102,17 +102,17 @@ def main(cfg: Config) -> dict:
     print(f"teacher: {len(docs)} documents, {len(docs) - len(todo)} already in {out}; "
           f"backend {cfg.sampling.backend}" + (f" ({cfg.sampling.api_model} at {cfg.sampling.api_base})"
                                                if cfg.sampling.backend == "api" else ""))
-    gen = rollout.make_generator(cfg.seed, model) if model is not None else None
+    gen = engine.make_generator(cfg.seed, model) if model is not None else None
     written = calls = skipped = 0
     with tqdm(total=len(todo), desc="teacher", unit="doc") as bar:
         for s in range(0, len(todo), max(1, cfg.chunk)):
             chunk = todo[s:s + cfg.chunk]
             if model is not None and cfg.sampling.backend == "vllm":
-                eps = rollout.rollout_vllm(model.vllm_engine, tok, chunk, 1, cfg.sampling, limits)
+                eps = engine.rollout_vllm(model.vllm_engine, tok, chunk, 1, cfg.sampling, limits)
             elif model is not None:
-                eps = rollout.rollout(model, tok, chunk, 1, cfg.sampling, limits, generator=gen)
+                eps = engine.rollout(model, tok, chunk, 1, cfg.sampling, limits, generator=gen)
             else:
-                eps = rollout.rollout_api(chunk, 1, cfg.sampling, limits)
+                eps = engine.rollout_api(chunk, 1, cfg.sampling, limits)
             failed = [(d, ep) for d, ep in zip(chunk, eps) if ep.meta.get("api_error")]
             if len(chunk) > 1 and len(failed) == len(chunk):  # several documents: the endpoint, not one document
                 raise SystemExit(f"teacher: every request of a chunk failed ({failed[0][1].meta['api_error']}); "

@@ -1,5 +1,5 @@
 """The rollout engine's prefill of prompts of unequal lengths: forwards of similar lengths
-(`rollout.width_groups`) against one forward padded to the longest.
+(`engine.width_groups`) against one forward padded to the longest.
 
     python bench/prefill.py [--model smollm2-135m] [--docs 64] [--reps 3]
 
@@ -26,15 +26,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from factual_tools import common, modeling  # noqa: E402
-from factual_tools import rollout as R  # noqa: E402
+from factual_tools import engine  # noqa: E402
 import newsworld  # noqa: E402
 import sandbox  # noqa: E402
 
 
 def prefill(model, tokenizer, docs) -> tuple[float, torch.Tensor]:
-    cfg = R.SamplingConfig(temperature=0.0, max_new_tokens=1, batch_size=len(docs))
+    cfg = engine.SamplingConfig(temperature=0.0, max_new_tokens=1, batch_size=len(docs))
     t0 = time.perf_counter()
-    eps = R.rollout(model, tokenizer, docs, 1, cfg)
+    eps = engine.rollout(model, tokenizer, docs, 1, cfg)
     return time.perf_counter() - t0, torch.tensor([ep.turns[0].logprobs[0] for ep in eps])
 
 
@@ -52,20 +52,20 @@ def main():
     prompts = [sandbox.prompt_ids(tok, d) for d in docs]
     shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
     lens = [len(p) - shared for p in prompts]
-    groups = R.width_groups(lens, R.SPLIT_OVERHEAD if shared >= R.MIN_COMMON_PREFIX else None)  # as the engine cuts
+    groups = engine.width_groups(lens, engine.SPLIT_OVERHEAD if shared >= engine.MIN_COMMON_PREFIX else None)  # as the engine cuts
     positions = {"one forward": len(lens) * max(lens), "grouped": sum(len(g) * max(lens[i] for i in g) for g in groups)}
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} ids, "
           f"the first {shared} shared")
-    real = R.width_groups
+    real = engine.width_groups
     times, lps = {"grouped": [], "one forward": []}, {}
     for _ in range(args.reps + 1):  # the first round warms up
         for way in times:
-            R.width_groups = real if way == "grouped" else (lambda lengths, overhead: [list(range(len(lengths)))])
+            engine.width_groups = real if way == "grouped" else (lambda lengths, overhead: [list(range(len(lengths)))])
             amp = common.autocast(use_bf16, "cpu", model) if use_bf16 else contextlib.nullcontext()
             with amp:
                 s, lps[way] = prefill(model, tok, docs)
             times[way].append(s)
-    R.width_groups = real
+    engine.width_groups = real
     grouped_s, one_s = (statistics.median(times[w][1:]) for w in times)
     out = {"docs": len(prompts), "one_forward_s": one_s, "grouped_s": grouped_s, "speedup": one_s / grouped_s,
            "one_forward_positions": positions["one forward"], "grouped_positions": positions["grouped"],

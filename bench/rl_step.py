@@ -64,7 +64,7 @@ import data  # noqa: E402
 from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
 import sandbox  # noqa: E402
-from factual_tools import evaluation, rollout  # noqa: E402
+from factual_tools import engine, evaluation  # noqa: E402
 from factual_tools import textsplit  # noqa: E402
 from newsworld.tiny import TINY_PRESETS  # noqa: E402
 
@@ -216,7 +216,7 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
 
         def plan(tok, tools):
             encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-            return EnginePlan(spaced(args.new_tokens, [encode(c) for c in calls]), rollout.stop_ids(tok))
+            return EnginePlan(spaced(args.new_tokens, [encode(c) for c in calls]), engine.stop_ids(tok))
 
         evaluation.tool_processor = plan
     if args.template:
@@ -277,7 +277,7 @@ def run_trl(args, tmp: str) -> dict:
                  for q in TOOL_QUERIES[:args.tool_calls]]
         start = tok.convert_tokens_to_ids("<|im_start|>")
         prompt = tool_prompt_ids(tok, docs[0].text, args.template)
-        plan = TurnPlan(spaced(args.new_tokens, calls), rollout.stop_ids(tok), start, prompt.count(start),
+        plan = TurnPlan(spaced(args.new_tokens, calls), engine.stop_ids(tok), start, prompt.count(start),
                         len(encode("<|im_start|>assistant\n")))
         real_generate = GenerationMixin.generate
 

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
-from factual_tools import rollout as R  # noqa: E402
+from factual_tools import engine, scoring  # noqa: E402
 import sandbox  # noqa: E402
 from factual_tools import textsplit  # noqa: E402
 
@@ -86,10 +86,10 @@ def script_text(parts, row, tokenizer, n_tokens, tools=True):
     filler = " ".join(index.sentences)
     text = lead + (events if tools else "") + " " + filler
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    ids = R.ScriptedProcessor.ids_for(encode, text)
+    ids = engine.ScriptedProcessor.ids_for(encode, text)
     while len(ids) < n_tokens:
         text += " " + filler
-        ids = R.ScriptedProcessor.ids_for(encode, text)
+        ids = engine.ScriptedProcessor.ids_for(encode, text)
     return ids[:n_tokens]
 
 
@@ -112,7 +112,7 @@ def plain_decode(model, tokenizer, docs, group, n_new):
     mask, logits, pos = mask.repeat_interleave(group, 0), logits.repeat_interleave(group, 0), pos[:, -1:]
     pos = pos.repeat_interleave(group, 0)
     for _ in range(n_new):
-        tok, _ = R.sample(logits, 0.0, 1.0, None)
+        tok, _ = engine.sample(logits, 0.0, 1.0, None)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         pos = pos + 1
         logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
@@ -152,7 +152,7 @@ def generate_decode(model, tokenizer, docs, group, scripts, n_new):
 
 
 def breakdown(secs, total: float, matmul: float) -> dict:
-    """Shares of a profiled run's wall time (`rollout.timed_parts`): the linear layers (the bound's replay), attention,
+    """Shares of a profiled run's wall time (`engine.timed_parts`): the linear layers (the bound's replay), attention,
     the rest of the forward (norms, RoPE, embeddings, the cache's writes), sampling, the sandbox,
     the bench's scripting, and the Python of the decode loop (what no part covers)."""
     parts = {"matmul": matmul, "attention": secs["attention"],
@@ -178,16 +178,16 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
     for d, (_, parts) in enumerate(docs):
         for g in range(group):
             scripts[d * group + g] = script_text(parts, d * group + g, tok, n_new)
-    proc = R.ScriptedProcessor(scripts)
+    proc = engine.ScriptedProcessor(scripts)
     no_tools_scripts = {i: script_text(docs[i // group][1], i, tok, n_new, tools=False) for i in scripts}
-    no_tools = R.ScriptedProcessor(no_tools_scripts)
+    no_tools = engine.ScriptedProcessor(no_tools_scripts)
     texts = [t for t, _ in docs]
 
     def run(backend, processor=proc, bf16=False):
-        cfg = R.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=n_new, batch_size=len(scripts))
+        cfg = engine.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=n_new, batch_size=len(scripts))
         with common.autocast(bf16, "cpu"):
             t0 = time.perf_counter()
-            eps = R.rollout(model, tok, texts, group, cfg, logits_processor=processor)
+            eps = engine.rollout(model, tok, texts, group, cfg, logits_processor=processor)
             dt = time.perf_counter() - t0
         gen = sum(len(t.ids) for e in eps for t in e.turns)
         inj = sum(len(t.inj_ids or []) for e in eps for t in e.turns)
@@ -231,7 +231,7 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
     if real:  # one more run, each part timed, in fp32 (and bf16): where the time goes
         for kind in ["fp32"] + (["bf16"] if bf16 else []):
             on = kind == "bf16"
-            with R.timed_parts() as secs, record_forwards(model) as shapes:
+            with engine.timed_parts() as secs, record_forwards(model) as shapes:
                 t0 = time.perf_counter()
                 run("hf", bf16=on)
                 total = time.perf_counter() - t0
@@ -285,7 +285,7 @@ def score_trees_vs_branches(model, episodes, reps: int, name: str) -> dict:
         for method in ("branch", "tree"):
             model.zero_grad()
             t0 = time.perf_counter()
-            out = R.episode_logprobs(model, episodes, method=method)
+            out = scoring.episode_logprobs(model, episodes, method=method)
             loss = -sum(t.sum() for ep in out for t in ep)
             loss.backward()
             times[method].append(time.perf_counter() - t0)

@@ -4,7 +4,7 @@
     python bench/sft.py --model smollm2-135m --batch 8 --reps 3   # the real model: LoRA as configs/sft_smollm.yaml
 
 - `sft_step`: what sft.py does per micro-batch: build each episode's tree of
-  branches, score it (`rollout.episode_logprobs`: one row per tree, the output
+  branches, score it (`scoring.episode_logprobs`: one row per tree, the output
   head only where a generated token is predicted), backward.
 - `packed_lm`: a plain packed causal-LM step on the same episodes' tokens (each
   tree's tokens back to back in rows of --row-tokens, causal attention, HF
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from factual_tools import modeling  # noqa: E402
 import newsworld  # noqa: E402
 from newsworld import oracle  # noqa: E402
-from factual_tools import rollout  # noqa: E402
+from factual_tools import engine, scoring  # noqa: E402
 import sandbox  # noqa: E402
 from factual_tools import textsplit  # noqa: E402
 from newsworld.tiny import TINY_PRESETS  # noqa: E402
@@ -111,8 +111,8 @@ def packed_lm_tight_step(model, ids, labels):
 
 def packed_trees_step(model, episodes, trees, width, n_tok):
     """The trees packed first-fit (largest first) into rows of `width`, each row
-    one `rollout.TokenTree` of disjoint tries (so `tree_mask` makes its mask block
-    diagonal), scored by `rollout.score_trees` itself."""
+    one `scoring.TokenTree` of disjoint tries (so `tree_mask` makes its mask block
+    diagonal), scored by `scoring.score_trees` itself."""
     rows = []
     for t in sorted(trees, key=lambda t: -len(t.ids)):
         for r in rows:
@@ -123,7 +123,7 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
             rows.append([t])
     merged = []
     for r in rows:
-        m = rollout.TokenTree([], [], [], [])
+        m = scoring.TokenTree([], [], [], [])
         for t in r:
             o = len(m.ids)
             m.ids += t.ids
@@ -133,7 +133,7 @@ def packed_trees_step(model, episodes, trees, width, n_tok):
             m.paths += [[n + o for n in path] for path in t.paths]
         merged.append(m)
     out = [[None] * len(ep.turns) for ep in episodes]
-    rollout.score_trees(model, merged, out, 1.0, next(model.parameters()).device)
+    scoring.score_trees(model, merged, out, 1.0, next(model.parameters()).device)
     (-sum(x.sum() for turns in out for x in turns if x is not None) / n_tok).backward()
     return len(rows)
 
@@ -154,7 +154,7 @@ def main():
     eps = [e.tokenized(tok) for e in traces(args.batch * 4)]
     batch = eps[:args.batch]
     n_tok = sum(sft.n_generated(e) for e in batch)
-    trees = rollout.episode_trees(batch, None)
+    trees = scoring.episode_trees(batch, None)
     ids, labels = packed_rows(trees, args.row_tokens)
     widths = sorted({max(len(t.ids) for t in trees), 2 * max(len(t.ids) for t in trees), args.row_tokens})
     chunk = 16384 if tiny else 1024
@@ -177,7 +177,7 @@ def main():
             step()
             times[k].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    eos = rollout.stop_ids(tok)
+    eos = engine.stop_ids(tok)
     for e in eps:
         sandbox.check_branches(e, e.branches(), tok, eos)
     mask_eps_s = len(eps) / (time.perf_counter() - t0)

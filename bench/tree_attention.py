@@ -1,4 +1,4 @@
-"""Scoring a tree, forward and backward, with the attention `rollout.score_trees` picks on a CPU
+"""Scoring a tree, forward and backward, with the attention `scoring.score_trees` picks on a CPU
 against the dense tree mask.
 
     python bench/tree_attention.py [--model smollm2-135m] [--prompt 256] [--group 8] [--rollout 370] [--reps 3]
@@ -9,8 +9,8 @@ The tree is an RL step's group as rl.py scores it: a `--prompt`-token prompt, th
 results injected between them), each with one retracted branch of a sixth of its
 length (a delete: the rollout goes on from where the branch started). With
 `--group 1` it is an SFT episode's shape. score_trees attends in blocks
-(`rollout.tree_blocks`) where they skip at least half the dense mask's work (a
-group), else in query chunks against their key prefixes (`rollout.prefix_chunks`:
+(`scoring.tree_blocks`) where they skip at least half the dense mask's work (a
+group), else in query chunks against their key prefixes (`scoring.prefix_chunks`:
 an SFT episode). Token ids are random; the attention's cost depends on the tree's
 shape only. The model is the preset or path given, with a rank-16 LoRA on every
 projection as in RL, and the CPU's autocast choice (`autocast: auto`). Both ways
@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from factual_tools import common, modeling  # noqa: E402
-from factual_tools import rollout as R  # noqa: E402
+from factual_tools import scoring  # noqa: E402
 
 
-def group_tree(prompt: int, group: int, rollout: int, vocab: int, seed: int = 0) -> R.TokenTree:
+def group_tree(prompt: int, group: int, rollout: int, vocab: int, seed: int = 0) -> scoring.TokenTree:
     """A prompt chain, then `group` rollouts, each with one abandoned branch; nodes in path order."""
     g = torch.Generator().manual_seed(seed)
     ids, parent, depth, paths, targets = [], [], [], [], []
@@ -60,15 +60,15 @@ def group_tree(prompt: int, group: int, rollout: int, vocab: int, seed: int = 0)
         tail = chain(head[-1], rollout - retracted - len(head))
         paths.append(root + head + tail)
         targets.append((e, 0, head + tail))
-    return R.TokenTree(ids, parent, depth, targets, paths)
+    return scoring.TokenTree(ids, parent, depth, targets, paths)
 
 
-def score(model, tree: R.TokenTree, group: int, amp) -> tuple[float, torch.Tensor]:
+def score(model, tree: scoring.TokenTree, group: int, amp) -> tuple[float, torch.Tensor]:
     out = [[None] for _ in range(group)]
     model.zero_grad()
     t0 = time.perf_counter()
     with amp:
-        R.score_trees(model, [tree], out, 1.0, "cpu")
+        scoring.score_trees(model, [tree], out, 1.0, "cpu")
     loss = -sum(t[0].sum() for t in out)
     loss.backward()
     return time.perf_counter() - t0, torch.cat([t[0].detach().float() for t in out])
@@ -90,20 +90,20 @@ def main():
     use_bf16, why = common.choose_autocast("auto", "cpu", common.hidden_size(model))
     print(f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {why}")
     tree = group_tree(args.prompt, args.group, args.rollout, model.config.vocab_size)
-    allowed = R.tree_mask(tree, len(tree.ids))[None]
-    blocks = R.tree_blocks(allowed)
+    allowed = scoring.tree_mask(tree, len(tree.ids))[None]
+    blocks = scoring.tree_blocks(allowed)
     if blocks is not None:
         path, share = "blocks", sum(p.mask.numel() for p in blocks.parts) / allowed.numel()
     else:
-        ends = R.prefix_chunks(allowed)
+        ends = scoring.prefix_chunks(allowed)
         path = "prefix chunks" if ends else "dense"
         share = sum((e - s) * e for s, e in zip([0] + ends[:-1], ends)) / allowed.numel() if ends else 1.0
     print(f"tree: {len(tree.ids)} nodes; score_trees attends in {path}, {share:.0%} of the dense mask's attention")
-    real = R.tree_blocks, R.prefix_chunks
+    real = scoring.tree_blocks, scoring.prefix_chunks
     times, lps = {"ours": [], "dense": []}, {}
     for _ in range(args.reps + 1):  # the first round warms up
         for way in ("ours", "dense"):
-            R.tree_blocks, R.prefix_chunks = real if way == "ours" else (lambda allowed: None,) * 2
+            scoring.tree_blocks, scoring.prefix_chunks = real if way == "ours" else (lambda allowed: None,) * 2
             amp = common.autocast(use_bf16, "cpu", model) if use_bf16 else contextlib.nullcontext()
             s, lps[way] = score(model, tree, args.group, amp)
             times[way].append(s)
@@ -113,11 +113,11 @@ def main():
     print(f"forward+backward: dense mask {dense_s:.2f} s, {path} {ours_s:.2f} s: {out['speedup']:.2f}x "
           f"(target >= 1.5x blocks, >= 1.1x prefix chunks); largest log-prob difference {out['max_abs_diff']:.1e}")
     if use_bf16:  # bf16's own rounding, for scale: the dense mask in fp32 against bf16
-        R.tree_blocks, R.prefix_chunks = (lambda allowed: None,) * 2
+        scoring.tree_blocks, scoring.prefix_chunks = (lambda allowed: None,) * 2
         out["bf16_vs_fp32_diff"] = (score(model, tree, args.group, contextlib.nullcontext())[1]
                                     - lps["dense"]).abs().max().item()
         print(f"  (bf16 against fp32, both dense: {out['bf16_vs_fp32_diff']:.1e})")
-    R.tree_blocks, R.prefix_chunks = real
+    scoring.tree_blocks, scoring.prefix_chunks = real
     print(json.dumps(out))
 
 

@@ -9,7 +9,8 @@ root's shared modules `sandbox`, `data` and `rewards` where they sit between):
 - `modeling.py`: model presets, policy loading (HF + PEFT, bitsandbytes, Unsloth, vLLM).
 - `fenice.py`: the FENICE factuality metric (claims + NLI over document sentences).
 - `vram.py`: memory estimates before a GPU run (`python -m factual_tools.vram ...`).
-- `rollout.py`: generation with the tool sandbox in the loop, and exact token scoring.
+- `engine.py`: generation with the tool sandbox in the loop (the rollout backends).
+- `scoring.py`: the log-probs of generated tokens under their own contexts (token trees).
 - `factcheck.py`: the learned factuality scorer (`python -m factual_tools.factcheck ...`).
 - `teachers.py`, `traces.py`: fact-checking teachers and tool-use traces from drafts.
 - `evaluation.py`, `training.py`: what the evaluation and training scripts share.

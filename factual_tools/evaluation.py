@@ -28,7 +28,7 @@ from tqdm import tqdm
 import data
 import rewards
 import sandbox
-from factual_tools import claims, common, modeling, rollout, settings, textsplit
+from factual_tools import claims, common, engine, modeling, settings, textsplit
 
 TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
                 "none": ("<search", "</search", "<delete")}
@@ -385,7 +385,7 @@ def oracle_free_metrics(articles: Sequence[str], episodes: Sequence[sandbox.Epis
 
 
 class TagBan:
-    """`rollout.rollout` logits processor that keeps banned tag openings out of the text.
+    """`engine.rollout` logits processor that keeps banned tag openings out of the text.
 
     A token is banned when, appended to what the row has written, it would
     complete a banned opening (`<search`, `</search`, `<delete`) or extend a
@@ -452,15 +452,15 @@ WARM_UP_TOKENS = 16  # the latency's untimed warm-up (a whole SFT summary: 7.9 s
 
 
 def _rollouts(model, tok, docs, group: int, scfg, limits, *, ban, generator, what: str) -> list[sandbox.Episode]:
-    """rollout.rollout with a progress bar named `what`."""
-    return rollout.rollout(model, tok, docs, group, scfg, limits, logits_processor=ban, generator=generator,
+    """engine.rollout with a progress bar named `what`."""
+    return engine.rollout(model, tok, docs, group, scfg, limits, logits_processor=ban, generator=generator,
                            progress=what)
 
 
-def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, rollout.SamplingConfig, TagBan | None]:
+def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, engine.SamplingConfig, TagBan | None]:
     """What an evaluation decodes under: the sandbox limits, the greedy sampling
     settings and the decode-time tool ban (None when every tool is allowed)."""
-    greedy = rollout.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+    greedy = engine.SamplingConfig(temperature=0.0, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                                     seed=cfg.seed)
     return sandbox.Limits.make(**cfg.limits), greedy, tool_processor(tokenizer, cfg.tools)
 
@@ -574,7 +574,7 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     # -- sampled: pass@k ------------------------------------------------------
     n = cfg.n_samples
     sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
-    gen = rollout.make_generator(cfg.seed, model)  # the same draws for every model compared
+    gen = engine.make_generator(cfg.seed, model)  # the same draws for every model compared
     s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban=ban, generator=gen,
                       what=f"samples x{n}") if n else []
     s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
@@ -589,10 +589,10 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     times, tokens = [], 0
     if lat_docs:  # the warm-up: kernels loaded, nothing timed
         warm = dataclasses.replace(one, max_new_tokens=min(WARM_UP_TOKENS, one.max_new_tokens))
-        rollout.rollout(model, tokenizer, lat_docs[:1], 1, warm, limits, logits_processor=ban)
+        engine.rollout(model, tokenizer, lat_docs[:1], 1, warm, limits, logits_processor=ban)
     for d in tqdm(lat_docs, desc="latency", unit="doc", leave=False):
         t0 = time.perf_counter()
-        (ep,) = rollout.rollout(model, tokenizer, [d], 1, one, limits, logits_processor=ban)
+        (ep,) = engine.rollout(model, tokenizer, [d], 1, one, limits, logits_processor=ban)
         times.append(time.perf_counter() - t0)
         tokens += sum(len(t.ids) for t in ep.turns)
     out["latency_p50_ms"] = float(np.percentile(times, 50) * 1e3) if times else math.nan

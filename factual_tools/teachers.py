@@ -175,16 +175,16 @@ class Teacher:
 
 
 class ApiTeacher(Teacher):
-    """Chat completions from an OpenAI-compatible server through `rollout.ApiClient`
+    """Chat completions from an OpenAI-compatible server through `engine.ApiClient`
     (retries with exponential backoff on 429/5xx/timeouts, a concurrency limit),
     with a disk cache in front: a restart or a second run never repeats a paid call."""
 
     def __init__(self, cfg: TeacherConfig, client=None):
         super().__init__()
         if client is None:
-            from factual_tools import rollout  # torch comes with it: only teachers that call out pay for the import
+            from factual_tools import engine  # torch comes with it: only teachers that call out pay for the import
 
-            client = rollout.ApiClient(cfg.api_base, cfg.api_model, key=os.environ.get(cfg.api_key_env),
+            client = engine.ApiClient(cfg.api_base, cfg.api_model, key=os.environ.get(cfg.api_key_env),
                                        timeout_s=cfg.timeout_s, retries=cfg.retries, concurrency=cfg.concurrency,
                                        backoff_s=cfg.backoff_s, max_response_bytes=int(cfg.max_response_mb * 2**20))
         self.cfg, self.client, self.cache = cfg, client, DiskCache(cfg.cache_dir)
@@ -225,7 +225,7 @@ class ApiTeacher(Teacher):
             self.stats["paid_calls"] += 1
 
     def chat(self, messages: list[dict]) -> Reply:
-        from factual_tools import rollout
+        from factual_tools import engine
 
         body = self.body(messages)
         key, rec = self._cached(body)
@@ -234,9 +234,9 @@ class ApiTeacher(Teacher):
             self._pay()
             try:
                 out = self.client.post("/chat/completions", body)
-            except rollout.ApiError as e:  # gave up after retries, a 4xx, junk: nothing to cache
+            except engine.ApiError as e:  # gave up after retries, a 4xx, junk: nothing to cache
                 return self._count(Reply(None, f"api: {e}"))
-            pt, ct = rollout.usage_tokens(out)
+            pt, ct = engine.usage_tokens(out)
             rec = {"request": body, "base": self.cfg.api_base, "response": out, "prompt_tokens": pt,
                    "completion_tokens": ct, "cost_usd": price_usd(self.cfg.prices_per_mtok, self.cfg.api_model, pt, ct),
                    "time": time.time()}
@@ -309,9 +309,9 @@ def unique_rounds(keys: Sequence[str]) -> list[list[int]]:
 
 
 def sampling_for(g: GenerateConfig, seed: int, extra_tokens: int = 0):
-    from factual_tools import rollout
+    from factual_tools import engine
 
-    return rollout.SamplingConfig(backend=g.backend, temperature=g.temperature, top_p=g.top_p,
+    return engine.SamplingConfig(backend=g.backend, temperature=g.temperature, top_p=g.top_p,
                                   max_new_tokens=g.max_new_tokens + extra_tokens, batch_size=g.batch_size, seed=seed)
 
 
@@ -344,7 +344,7 @@ class ModelTeacher(Teacher):
         self.name = f"model:{cfg.model.name_or_path}"
 
     def chat_many(self, requests):
-        from factual_tools import rollout
+        from factual_tools import engine
 
         out: list[Reply | None] = [None] * len(requests)
         keys, todo = [], []
@@ -362,7 +362,7 @@ class ModelTeacher(Teacher):
             idx = [todo[j] for j in rnd]
             tok = PromptedTokenizer(self.tok, {requests[i][1]: requests[i][0] for i in idx})
             with common.autocast_for(self.cfg.generate.autocast, self.model):
-                eps = rollout.rollout(self.model, tok, [sandbox.index_for(requests[i][1]) for i in idx], 1,
+                eps = engine.rollout(self.model, tok, [sandbox.index_for(requests[i][1]) for i in idx], 1,
                                       sampling_for(self.cfg.generate, 0))
             for i, ep in zip(idx, eps):
                 text = written_text(ep)

@@ -19,7 +19,7 @@ import torch
 
 import data
 import sandbox
-from factual_tools import common, rollout, textsplit
+from factual_tools import common, scoring, textsplit
 
 
 @dataclass
@@ -85,7 +85,7 @@ def sequence_loss(model, episodes, n_tokens: int, max_batch_tokens: int = 16384,
     first id after each answered search (`sandbox.decision_turns`) counts d times, masked or not."""
     if rewrite_weight != 1.0 and tokenizer is None:
         raise ValueError("rewrite_weight needs the tokenizer (to find the rewritten sentence's ids)")
-    lps = rollout.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
+    lps = scoring.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
     total = 0.0
     for ep, per_turn in zip(episodes, lps):
         lens = rewrite_lengths(ep, tokenizer) if rewrite_weight != 1.0 else [0] * len(ep.turns)

@@ -59,9 +59,9 @@ def tiny_llama(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, drop
 
 def script_ids(tokenizer, written: str, eos: bool = True) -> list[int]:
     """Ids a policy could sample to write `written`, end-of-turn appended."""
-    from factual_tools import rollout
+    from factual_tools import engine
 
-    ids = rollout.ScriptedProcessor.ids_for(lambda s: tokenizer.encode(s, add_special_tokens=False), written)
+    ids = engine.ScriptedProcessor.ids_for(lambda s: tokenizer.encode(s, add_special_tokens=False), written)
     return ids + ([tokenizer.eos_token_id] if eos else [])
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from factual_tools import rollout as R
+from factual_tools import engine
 from helpers import DOC, bpe_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,9 +31,9 @@ def test_the_engine_plan_makes_every_row_call_its_searches_and_write_exactly_n_t
     model = tiny_llama(TOK, seed=0)
     encode = lambda s: TOK.encode(s, add_special_tokens=False)  # noqa: E731
     calls = [encode("<search>/Acme/</search>"), encode("<search>revenue</search>")]
-    plan = rl_step.EnginePlan(rl_step.spaced(40, calls), R.stop_ids(TOK))
-    cfg = R.SamplingConfig(temperature=1.0, max_new_tokens=100)
-    eps = R.rollout(model, TOK, [DOC], 4, cfg, logits_processor=plan, generator=torch.Generator().manual_seed(0))
+    plan = rl_step.EnginePlan(rl_step.spaced(40, calls), engine.stop_ids(TOK))
+    cfg = engine.SamplingConfig(temperature=1.0, max_new_tokens=100)
+    eps = engine.rollout(model, TOK, [DOC], 4, cfg, logits_processor=plan, generator=torch.Generator().manual_seed(0))
     assert [e.n_search for e in eps] == [2, 2, 2, 2]
     assert [sum(len(t.ids) for t in e.turns) for e in eps] == [41] * 4  # 40 written, then the end of turn
     assert len({e.summary for e in eps}) > 1  # what lies between the calls is sampled

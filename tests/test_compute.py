@@ -10,7 +10,7 @@ import torch
 
 import data
 import rl
-from factual_tools import common, modeling, rollout as R
+from factual_tools import common, engine, modeling
 from helpers import DOC, bpe_tokenizer, save_tiny_policy, tiny_llama
 from factual_tools.settings import ConfigError
 
@@ -83,7 +83,7 @@ def test_rl_rolls_out_and_updates_under_the_chosen_autocast(tmp_path, monkeypatc
     data.write_jsonl(str(docs), [data.Document(id="d0", text=DOC), data.Document(id="d1", text=DOC[:300])])
     seen = {"rollout": set(), "update": set()}
     phase = {"now": "rollout"}
-    real_rollout, real_logprobs = R.rollout, rl.logprobs
+    real_rollout, real_logprobs = engine.rollout, rl.logprobs
 
     def in_rollout(*a, **k):
         phase["now"] = "rollout"
@@ -105,7 +105,7 @@ def test_rl_rolls_out_and_updates_under_the_chosen_autocast(tmp_path, monkeypatc
                 m.register_forward_hook(hook)
         return model, tok
 
-    monkeypatch.setattr(R, "rollout", in_rollout)
+    monkeypatch.setattr(engine, "rollout", in_rollout)
     monkeypatch.setattr(rl, "logprobs", in_update)
     monkeypatch.setattr(modeling, "load_policy", load)
     cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(name_or_path=policy),

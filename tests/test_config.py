@@ -521,8 +521,8 @@ LAYERS = [
     {"factual_tools.settings", "factual_tools.textsplit"},
     {"factual_tools.common", "sandbox", "data"},
     {"factual_tools.claims", "factual_tools.modeling"},
-    {"factual_tools.fenice", "factual_tools.vram", "factual_tools.rollout"},
-    {"rewards"},
+    {"factual_tools.fenice", "factual_tools.vram", "factual_tools.engine"},
+    {"rewards", "factual_tools.scoring"},
     {"factual_tools.factcheck", "factual_tools.teachers", "factual_tools.evaluation", "factual_tools.training"},
     {"factual_tools.traces"},
 ]

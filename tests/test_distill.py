@@ -13,7 +13,7 @@ import data
 import distill
 import sandbox as S
 import sft
-from factual_tools import common, modeling, rollout as R, settings
+from factual_tools import common, engine, modeling, scoring, settings
 import newsworld
 from newsworld import tiny
 from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, killed_after_checkpoint, offline_trackers,
@@ -46,7 +46,7 @@ def test_summary_target_is_the_final_summary_alone_and_its_mask_covers_exactly_i
     trained = [i for i, m in zip(branch.input_ids, branch.loss_mask) if m]
     assert trained == TOK.encode(ep.summary, add_special_tokens=False) + [TOK.eos_token_id]
     assert branch.input_ids == prompt + trained and branch.loss_mask == [0] * len(prompt) + [1] * len(trained)
-    assert R.validate_masks([t], TOK, 1) == 1
+    assert scoring.validate_masks([t], TOK, 1) == 1
 
 
 def test_targets_by_mode_keep_sampled_ids_only_when_the_vocabulary_is_shared():
@@ -287,7 +287,7 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path, mo
     assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # full weights
     model, tok = modeling.load_trained(str(final))
     assert tok.get_vocab() == TOK.get_vocab() and model.config.hidden_size == 64  # tiny-0.3m over the teacher's vocab
-    ep = R.rollout(model, tok, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=8))[0]
+    ep = engine.rollout(model, tok, [DOC], 1, engine.SamplingConfig(temperature=0.0, max_new_tokens=8))[0]
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 8
     saved = json.loads((run / "distill.json").read_text())
     for who in ("teacher", "student"):
@@ -337,7 +337,7 @@ def test_a_pruned_teacher_student_keeps_its_layers_weights_and_merged_adapter(wo
     assert torch.equal(student["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
     final, _ = modeling.load_trained(str(tmp_path / "runs" / "t" / "final"))
     assert final.config.num_hidden_layers == 2
-    ep = R.rollout(final, TOK, [DOC], 1, R.SamplingConfig(temperature=0.0, max_new_tokens=6))[0]  # the KV cache
+    ep = engine.rollout(final, TOK, [DOC], 1, engine.SamplingConfig(temperature=0.0, max_new_tokens=6))[0]  # the KV cache
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 6  # indexes the kept layers 0 and 1
     base = modeling.ModelConfig()
     assert distill.pruned_teacher(str(tmp_path / "teacher"), 2, init, base) == init  # the same request: reused

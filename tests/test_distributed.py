@@ -19,7 +19,7 @@ import distill
 import rl
 import sandbox as S
 import sft
-from factual_tools import common, modeling, rollout as R
+from factual_tools import common, engine, modeling, scoring
 import newsworld
 from newsworld import tiny
 from helpers import DOC, bpe_tokenizer, newsworld_traces, save_tiny_policy, script_ids
@@ -150,7 +150,7 @@ def test_sft_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(sft_se
 RL_SCRIPTS = ['Acme grew.<search>Jane Doe</search> Jane Doe resigned.',
               'Revenue fell.<delete scope="sentence"/> Acme rose.', "Globex fell 2%.",
               "Acme reported revenue of $4.2 billion."]
-REAL_ROLLOUT = R.rollout
+REAL_ROLLOUT = engine.rollout
 
 
 def scripted_rollout(model, tok, documents, group, scfg, limits, generator=None):
@@ -159,9 +159,9 @@ def scripted_rollout(model, tok, documents, group, scfg, limits, generator=None)
     rows = {r: script_ids(tok, RL_SCRIPTS[(int(documents[r // group].id[1:]) + r % group) % len(RL_SCRIPTS)])
             for r in range(len(documents) * group)}
     eps = REAL_ROLLOUT(model, tok, documents, group, scfg, limits, generator=generator,
-                       logits_processor=R.ScriptedProcessor(rows))
+                       logits_processor=engine.ScriptedProcessor(rows))
     with torch.no_grad():  # the sampler's log-probs without the script's bias: the policy's own
-        for ep, lps in zip(eps, R.episode_logprobs(model, eps, method="branch")):
+        for ep, lps in zip(eps, scoring.episode_logprobs(model, eps, method="branch")):
             for t, lp in zip(ep.turns, lps):
                 t.logprobs = lp.tolist() if lp is not None else []
     return eps
@@ -196,7 +196,7 @@ def rl_config(setup, runs_dir, **over) -> rl.Config:
 
 
 def _rl_rank(rank, setup, runs_dir, over):
-    R.rollout = scripted_rollout
+    engine.rollout = scripted_rollout
     rl.main(rl_config(setup, runs_dir, **over), reward_fn=content_reward)
 
 
@@ -206,7 +206,7 @@ def test_rl_two_ranks_take_the_step_one_process_takes(rl_setup, tmp_path, monkey
     rank's 4 (a local count doubles the gradient: the logged norm shows it, though
     Adam's step would hide it). Weights, gradient norms and the step figures equal
     one process's, and the curriculum saw every rollout of the step."""
-    monkeypatch.setattr(R, "rollout", scripted_rollout)
+    monkeypatch.setattr(engine, "rollout", scripted_rollout)
     rl.main(rl_config(rl_setup, tmp_path / "one"), reward_fn=content_reward)
     launch(_rl_rank, 2, rl_setup, tmp_path / "two", {})
     one, two = tmp_path / "one" / "t", tmp_path / "two" / "t"
@@ -272,7 +272,7 @@ def test_a_killed_two_rank_run_resumes_to_the_weights_of_an_uninterrupted_one(rl
     state, so steps 3 match and so do the weights. Rank 0 alone wrote into the run
     directory (it evaluates too), no file was written twice, and a checkpoint of 2
     ranks refuses to resume in 1 process, naming both sizes."""
-    over = {"steps": 3, "sampling": R.SamplingConfig(temperature=1.0, max_new_tokens=24)}
+    over = {"steps": 3, "sampling": engine.SamplingConfig(temperature=1.0, max_new_tokens=24)}
     docs = rl_setup[1]
     full_over = {**over, "eval": rl.EvalConfig(every=2, n_docs=1, sample_every=1, n_samples=2),
                  "data": rl.DataConfig(train=docs, eval=docs, split="")}

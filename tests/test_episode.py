@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sandbox as S
-from factual_tools import rollout as R
+from factual_tools import engine
 from helpers import DOC, bpe_tokenizer
 
 
@@ -53,7 +53,7 @@ def drive(codec, written, document=DOC, prompt=(1, 2, 3), eos=True, max_new_toke
     keep our own copy of the context by applying each Action, and record the
     context at the start of every turn. `whole` encodes the text in one go, so
     tokens may straddle call ends (a sampler can produce that too)."""
-    ids = (codec.encode(written) if whole else R.ScriptedProcessor.ids_for(codec.encode, written)) + ([EOS] if eos else [])
+    ids = (codec.encode(written) if whole else engine.ScriptedProcessor.ids_for(codec.encode, written)) + ([EOS] if eos else [])
     b = S.EpisodeBuilder(document, list(prompt), codec, S.Limits.make(**limits), eos_ids=[EOS])
     ctx = list(prompt)
     seen = [list(ctx)]

@@ -20,7 +20,7 @@ import data
 import eval as E
 import rewards
 import sandbox as S
-from factual_tools import evaluation, rollout as R, settings, textsplit
+from factual_tools import engine, evaluation, settings, textsplit
 import newsworld
 from helpers import DOC, bpe_tokenizer, load_config_file, tiny_llama
 from newsworld import oracle
@@ -368,17 +368,17 @@ WRITE = ' Acme grew.<search>Acme</search> Acme fell.<delete scope="sentence"/> A
 def test_tag_ban_stops_a_policy_forced_to_write_tags(tokens):
     model = tiny_llama(TOK, seed=1).eval()
     script = (_char_ids(WRITE) if tokens == "chars" else
-              R.ScriptedProcessor.ids_for(lambda s: TOK.encode(s, add_special_tokens=False), WRITE))
+              engine.ScriptedProcessor.ids_for(lambda s: TOK.encode(s, add_special_tokens=False), WRITE))
     if tokens == "bpe":
         assert len(script) < len(WRITE)  # the tags really are merged tokens here
-    force = R.ScriptedProcessor({i: script for i in range(4)})
-    cfg = R.SamplingConfig(temperature=1.0, max_new_tokens=len(script) + 4, seed=0)
+    force = engine.ScriptedProcessor({i: script for i in range(4)})
+    cfg = engine.SamplingConfig(temperature=1.0, max_new_tokens=len(script) + 4, seed=0)
     docs = [DOC, DOC]
 
     def run(tools):
         ban = evaluation.tool_processor(TOK, tools)
         proc = force if ban is None else (lambda rows, logits: ban(rows, force(rows, logits)))
-        return R.rollout(model, TOK, docs, 2, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
+        return engine.rollout(model, TOK, docs, 2, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
 
     free = run("all")  # the forcing works: every episode searches and deletes
     assert all(e.n_search == 1 and e.n_delete == 1 for e in free)
@@ -415,13 +415,13 @@ def test_latency_times_whole_episodes_at_batch_1_after_a_short_warm_up(monkeypat
     docs = [data.Document(id=f"d{i}", text=DOC) for i in range(3)]
     cfg = E.Config(tools="none", n_samples=0, max_new_tokens=40, latency_docs=2,
                    reward=rewards.RewardConfig(factuality="lexical"))
-    calls, real = [], evaluation.rollout.rollout
+    calls, real = [], evaluation.engine.rollout
 
     def spy(model, tok, documents, group, scfg, *a, **k):
         calls.append((len(documents), scfg.batch_size, scfg.max_new_tokens))
         return real(model, tok, documents, group, scfg, *a, **k)
 
-    monkeypatch.setattr(evaluation.rollout, "rollout", spy)
+    monkeypatch.setattr(evaluation.engine, "rollout", spy)
     evaluation.evaluate(model, TOK, docs, cfg)
     single = [c for c in calls if c[1] == 1]
     assert single == [(1, 1, evaluation.WARM_UP_TOKENS), (1, 1, 40), (1, 1, 40)], calls
@@ -615,7 +615,7 @@ def no_model(monkeypatch):
 
     monkeypatch.setattr(evaluation, "load_model", refuse)
     monkeypatch.setattr(evaluation.modeling, "load_trained", refuse)
-    monkeypatch.setattr(evaluation.rollout, "rollout", refuse)
+    monkeypatch.setattr(evaluation.engine, "rollout", refuse)
 
 
 def test_copying_baselines_are_scored_as_a_model_is_without_one(long_docs, no_model):

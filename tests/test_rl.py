@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import data
 import rl
 import sandbox as S
-from factual_tools import common, modeling, rollout as R, settings, vram
+from factual_tools import common, engine, modeling, scoring, settings, vram
 import newsworld
 from newsworld import tiny
 from helpers import (DOC, assert_trackers_match_metrics, bpe_tokenizer, offline_trackers, save_tiny_policy, script_ids,
@@ -189,9 +189,9 @@ DELETE_SCRIPT = ('Acme reported revenue of $5 billion.<search>/revenue of/</sear
 
 
 def scripted_rollout(model, scripts, docs, group=1, max_new=120):
-    proc = R.ScriptedProcessor({i: script_ids(TOK, s) for i, s in enumerate(scripts)})
-    cfg = R.SamplingConfig(temperature=1.0, max_new_tokens=max_new)
-    return R.rollout(model, TOK, docs, group, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
+    proc = engine.ScriptedProcessor({i: script_ids(TOK, s) for i, s in enumerate(scripts)})
+    cfg = engine.SamplingConfig(temperature=1.0, max_new_tokens=max_new)
+    return engine.rollout(model, TOK, docs, group, cfg, logits_processor=proc, generator=torch.Generator().manual_seed(0))
 
 
 def test_a_delete_episodes_loss_covers_every_generated_token_once():
@@ -201,7 +201,7 @@ def test_a_delete_episodes_loss_covers_every_generated_token_once():
     assert ep.n_delete == 2 and len(branches) == 3
     n = sum(len(t.ids) for t in ep.turns)
     assert sum(sum(b.loss_mask) for b in branches) == n
-    lp = rl.flat(R.episode_logprobs(model, [ep]))
+    lp = rl.flat(scoring.episode_logprobs(model, [ep]))
     assert lp.shape == (n,)
     assert torch.allclose(lp, rl.sampler_logprobs([ep]), atol=1e-4)  # same tokens, same order, same contexts
     adv = rl.token_advantages([ep], [[1.0] * len(ep.turns)])
@@ -222,9 +222,9 @@ def test_group_scoring_equals_one_tree_per_episode():
     model = tiny_llama(TOK, seed=0)
     scripts = [DELETE_SCRIPT, 'Short one.<delete scope="sentence"/> Better.', "Acme grew.", DELETE_SCRIPT]
     eps = scripted_rollout(model, scripts, [DOC, DOC[:300]], group=2)
-    per_episode = rl.flat(R.episode_logprobs(model, eps, method="tree"))
-    grouped = rl.flat(R.group_logprobs(model, eps, group_size=2, max_batch_tokens=600))  # two chunks
-    assert not hasattr(rl, "group_logprobs")  # the tree scorer is driven from rollout.py only
+    per_episode = rl.flat(scoring.episode_logprobs(model, eps, method="tree"))
+    grouped = rl.flat(scoring.group_logprobs(model, eps, group_size=2, max_batch_tokens=600))  # two chunks
+    assert not hasattr(rl, "group_logprobs")  # the tree scorer is driven from scoring.py only
     assert grouped.shape == per_episode.shape and torch.allclose(grouped, per_episode, atol=1e-5)
     assert torch.allclose(grouped, rl.sampler_logprobs(eps), atol=1e-4)
 
@@ -240,7 +240,7 @@ def test_stops_end_turns_and_the_end_of_turn_token_is_trained_not_summarised():
         assert last.ended == "eos" and last.ids[-1] == eot and "<|eot|>" not in ep.summary
         assert len(rl.token_advantages([ep], [[0.0] * len(ep.turns)])) == sum(len(t.ids) for t in ep.turns)
     assert eps[1].summary == "Acme grew 12%." and eps[0].summary == "Acme grew. Jane Doe said, wrongly, fine."
-    R.validate_masks(eps, TOK)
+    scoring.validate_masks(eps, TOK)
 
 
 # ---------------------------------------------------------------------------
@@ -373,14 +373,14 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
     vLLM path (a sampler whose log-probs are off by `vllm_shift`) every token's loss
     is weighted by min(p_trainer / p_sampler, tis_cap): truncated importance sampling."""
     seen, checked, max_new, G = {}, [], 120, 4
-    real_rollout, real_logprobs, real_clip = R.rollout, rl.logprobs, torch.nn.utils.clip_grad_norm_
+    real_rollout, real_logprobs, real_clip = engine.rollout, rl.logprobs, torch.nn.utils.clip_grad_norm_
 
     def scripted(model, tok, documents, group, scfg, limits, generator=None):
         seen["tok"] = tok
-        proc = R.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
+        proc = engine.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
         eps = real_rollout(model, tok, documents, group, scfg, limits, generator=generator, logits_processor=proc)
         with torch.no_grad():  # the sampler's log-probs without the script's bias: those of the policy itself
-            for ep, lps in zip(eps, R.episode_logprobs(model, eps, method="branch")):
+            for ep, lps in zip(eps, scoring.episode_logprobs(model, eps, method="branch")):
                 for t, lp in zip(ep.turns, lps):
                     t.logprobs = lp.tolist() if lp is not None else []
         return eps
@@ -399,7 +399,7 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
         results = tool_reward(None, eps)
         r = torch.tensor([x["total"] for x in results], dtype=torch.float64).view(-1, G)
         base = (r - r.mean(1, keepdim=True)).flatten().tolist()
-        logp = R.episode_logprobs(model, eps, method="branch")
+        logp = scoring.episode_logprobs(model, eps, method="branch")
         loss, n_calls = 0.0, 0
         for e, ep in enumerate(eps):
             group = results[e // G * G:e // G * G + G]
@@ -428,16 +428,16 @@ def test_the_update_is_the_gradient_of_the_hand_computed_dr_grpo_loss(policy, do
         checked.append((len(eps), n_calls))
         return real_clip(params, max_norm, *args, **kwargs)
 
-    monkeypatch.setattr(R, "rollout", scripted)
+    monkeypatch.setattr(engine, "rollout", scripted)
     monkeypatch.setattr(rl, "logprobs", spy_logprobs)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", check_then_clip)
     cfg = config(policy, docs, tmp_path, steps=2, micro_groups=micro_groups, save_every=0, advantage=advantage,
-                 sampling=R.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2,
+                 sampling=engine.SamplingConfig(max_new_tokens=max_new), lora=vllm_shift is not None, tis_cap=1.2,
                  autocast="none", max_batch_tokens=max_batch_tokens)  # the gradient computed here is fp32's;
     # `auto` may pick bf16 on this CPU
     cfg.model.gradient_checkpointing = checkpointing
     if vllm_shift is not None:
-        fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted R.rollout above
+        fake_vllm(monkeypatch, vllm_shift)  # its rollouts come from the scripted engine.rollout above
         cfg.sampling.backend = "vllm"
     rl.main(cfg, reward_fn=tool_reward)
     assert [n for n, _ in checked] == [8, 8] and all(c >= 8 for _, c in checked)  # every rollout, calls included
@@ -480,7 +480,7 @@ def test_one_step_through_the_named_functions_is_the_step_main_takes(policy, doc
 
 
 def test_learns_an_easy_reward_within_a_bounded_number_of_steps(policy, docs, tmp_path):
-    cfg = config(policy, docs, tmp_path, steps=30, group_size=8, save_every=0, sampling=R.SamplingConfig(
+    cfg = config(policy, docs, tmp_path, steps=30, group_size=8, save_every=0, sampling=engine.SamplingConfig(
         max_new_tokens=24), autocast="none")  # fp32: the sampler's log-probs are the trainer's to 1e-3
     cfg.eval.sample_every = 0
     hist = rl.main(cfg, reward_fn=mention_reward)["history"]
@@ -548,7 +548,7 @@ def fake_vllm(monkeypatch, shift):
         return model, tok
 
     def rollout_vllm(llm, tok, docs, group, cfg, limits, lora_request=None):
-        eps = R.rollout(llm.policy, tok, docs, group, R.SamplingConfig(temperature=cfg.temperature,
+        eps = engine.rollout(llm.policy, tok, docs, group, engine.SamplingConfig(temperature=cfg.temperature,
                                                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed),
                         limits)
         for e in eps:
@@ -557,7 +557,7 @@ def fake_vllm(monkeypatch, shift):
         return eps
 
     monkeypatch.setattr(rl, "load_model", load)
-    monkeypatch.setattr(R, "rollout_vllm", rollout_vllm)
+    monkeypatch.setattr(engine, "rollout_vllm", rollout_vllm)
     return requests
 
 
@@ -570,21 +570,21 @@ def test_vllm_path_refreshes_the_adapter_and_corrects_the_sampler_mismatch(polic
     assert all(abs(h["gap"] - 0.05) < 1e-3 for h in hist)
     requests = fake_vllm(monkeypatch, 1.0)
     with pytest.raises(RuntimeError, match="differ by 1.0"):
-        rl.main(config(policy, docs, tmp_path / "bad", lora=True, sampling=R.SamplingConfig(
+        rl.main(config(policy, docs, tmp_path / "bad", lora=True, sampling=engine.SamplingConfig(
             backend="vllm", max_new_tokens=16)), reward_fn=spread_reward)
 
 
 def pushed_to_tools(monkeypatch):
     """Rollouts of a policy pushed to write SCRIPTS (searches and deletes, row by row);
     the logits processor rl.py passes (its tool ban) acts after the push."""
-    real = R.rollout
+    real = engine.rollout
 
     def pushed(model, tok, documents, group, scfg, limits, generator=None, logits_processor=None):
-        push = R.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
+        push = engine.ScriptedProcessor({i: script_ids(tok, SCRIPTS[i % len(SCRIPTS)]) for i in range(len(documents) * group)})
         both = push if logits_processor is None else lambda rows, logits: logits_processor(rows, push(rows, logits))
         return real(model, tok, documents, group, scfg, limits, generator=generator, logits_processor=both)
 
-    monkeypatch.setattr(R, "rollout", pushed)
+    monkeypatch.setattr(engine, "rollout", pushed)
 
 
 @pytest.mark.parametrize("tools", ["all", "none", "no_search"])
@@ -600,7 +600,7 @@ def test_the_tools_setting_bans_tool_calls_from_rollouts_and_the_held_out_evalua
         seen.extend(episodes)
         return spread_reward(documents, episodes)
 
-    cfg = config(policy, docs, tmp_path, steps=1, save_every=0, tools=tools, sampling=R.SamplingConfig(
+    cfg = config(policy, docs, tmp_path, steps=1, save_every=0, tools=tools, sampling=engine.SamplingConfig(
         max_new_tokens=120))
     cfg.data.eval = docs
     cfg.eval = rl.EvalConfig(every=0, n_docs=2, sample_every=0, max_new_tokens=120)
@@ -770,7 +770,7 @@ def test_rl_from_an_sft_adapter_anchors_the_kl_on_that_adapter_not_on_the_base(p
                  init=str(tmp_path / "sft_adapter"))
     model, tok = rl.load_model(cfg)
     assert common.REFERENCE_ADAPTER in model.peft_config
-    eps = R.rollout(model, tok, [DOC], 2, R.SamplingConfig(max_new_tokens=12, temperature=1.0), S.Limits())
+    eps = engine.rollout(model, tok, [DOC], 2, engine.SamplingConfig(max_new_tokens=12, temperature=1.0), S.Limits())
     with torch.no_grad():
         now = rl.logprobs(model, eps, cfg, 1.0)
         with modeling.reference_model(model):
@@ -793,8 +793,8 @@ def test_retracted_tokens_can_be_left_out_of_the_positive_credit():
     """A rollout that wrote a wrong sentence, searched, deleted and rewrote: with
     retracted_credit=negative its retracted tokens get no positive advantage (the
     correction is reinforced, the error is not); negative advantages still reach them."""
-    builder_ep = R.rollout(tiny_llama(TOK), TOK, [DOC], 1, R.SamplingConfig(max_new_tokens=60),
-                           S.Limits(), logits_processor=R.ScriptedProcessor({0: script_ids(TOK, DELETE_SCRIPT)}))[0]
+    builder_ep = engine.rollout(tiny_llama(TOK), TOK, [DOC], 1, engine.SamplingConfig(max_new_tokens=60),
+                           S.Limits(), logits_processor=engine.ScriptedProcessor({0: script_ids(TOK, DELETE_SCRIPT)}))[0]
     ep = builder_ep
     assert any(t.masked for t in ep.turns)
     mask = rl.retracted_mask([ep])

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from factual_tools import rollout as R
+from factual_tools import engine, scoring
 from newsworld import tiny
 from helpers import DOC, bpe_tokenizer, post_server, script_ids, tiny_llama
 
@@ -30,13 +30,13 @@ def model():
 
 def scripted(n_rows):
     scripts = {i: script_ids(TOK, s) for i, s in enumerate(SCRIPTS * 3) if s and i < n_rows}
-    return R.ScriptedProcessor(scripts)
+    return engine.ScriptedProcessor(scripts)
 
 
 def run(model, backend, docs=DOCS, group=2, **kw):
-    cfg = R.SamplingConfig(backend=backend, temperature=kw.pop("temperature", 0.0), max_new_tokens=kw.pop("max_new", 90),
+    cfg = engine.SamplingConfig(backend=backend, temperature=kw.pop("temperature", 0.0), max_new_tokens=kw.pop("max_new", 90),
                            **kw)
-    return R.rollout(model, TOK, docs, group_size=group, cfg=cfg, logits_processor=scripted(len(docs) * group),
+    return engine.rollout(model, TOK, docs, group_size=group, cfg=cfg, logits_processor=scripted(len(docs) * group),
                      record_contexts=True)
 
 
@@ -67,8 +67,8 @@ def test_a_delete_frees_its_rows_slots_and_a_results_block_costs_only_its_row(mo
     """After a prune the row's length is its context's (no masked holes left behind), and
     the second forward of a step covers only the rows that took a multi-id chunk."""
     tok_pad = TOK.pad_token_id
-    batch = R._Batch(model, tok_pad, record=True)
-    rows = [R.Row(i, None) for i in range(3)]
+    batch = engine._Batch(model, tok_pad, record=True)
+    rows = [engine.Row(i, None) for i in range(3)]
     batch.prefill(rows, [[5, 6, 7], [8, 9]])
     batch.rows = rows[:2]
     before = batch.forward_tokens
@@ -79,7 +79,7 @@ def test_a_delete_frees_its_rows_slots_and_a_results_block_costs_only_its_row(mo
     batch.extend([[15], [16, 17]])
     assert [batch.context(0), batch.context(1)] == [[5, 6, 7, 10, 15], [8, 9, 11, 16, 17]]
     assert batch.lens == [5, 5]
-    fresh = R._Batch(model, tok_pad, record=True)  # the same contexts prefilled from scratch
+    fresh = engine._Batch(model, tok_pad, record=True)  # the same contexts prefilled from scratch
     fresh.prefill(rows[:2], [batch.context(0), batch.context(1)])
     assert torch.allclose(batch.logits, fresh.logits, atol=1e-5)
 
@@ -99,7 +99,7 @@ def test_sampling_with_temperature_matches_naive(model):
 def test_episode_logprobs_reproduce_the_sampler(model, method):
     eps = run(model, "hf")
     with torch.no_grad():
-        lps = R.episode_logprobs(model, eps, method=method, max_batch_tokens=3000)
+        lps = scoring.episode_logprobs(model, eps, method=method, max_batch_tokens=3000)
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             assert lps[e][ti].shape == (len(t.ids),)
@@ -110,14 +110,14 @@ def test_tree_scoring_sees_only_its_own_branch(model):
     """Letting a branch see retracted tokens must change its log-probs: the
     check has teeth."""
     eps = [e for e in run(model, "hf") if e.n_deleted >= 1][:1]
-    tree = R.episode_trees(eps, None)[0]
+    tree = scoring.episode_trees(eps, None)[0]
     n = len(tree.ids)  # one chain over the same nodes: later tokens see the retracted ones too
-    leaky = R.TokenTree(tree.ids, [i - 1 for i in range(n)], list(range(n)), tree.targets, [list(range(n))])
+    leaky = scoring.TokenTree(tree.ids, [i - 1 for i in range(n)], list(range(n)), tree.targets, [list(range(n))])
     out_ok = [[None] * len(eps[0].turns)]
     out_bad = [[None] * len(eps[0].turns)]
     with torch.no_grad():
-        R.score_trees(model, [tree], out_ok, 1.0, "cpu")
-        R.score_trees(model, [leaky], out_bad, 1.0, "cpu")
+        scoring.score_trees(model, [tree], out_ok, 1.0, "cpu")
+        scoring.score_trees(model, [leaky], out_bad, 1.0, "cpu")
     last = len(eps[0].turns) - 1
     assert torch.allclose(out_ok[0][0], out_bad[0][0], atol=1e-5)  # before any delete: the same context
     assert not torch.allclose(out_ok[0][last], out_bad[0][last], atol=1e-3)
@@ -126,13 +126,13 @@ def test_tree_scoring_sees_only_its_own_branch(model):
 
 def test_group_tree_shares_the_prompt(model):
     eps = run(model, "hf", docs=[DOC], group=4)
-    trees = R.group_trees(eps)
+    trees = scoring.group_trees(eps)
     assert len(trees) == 1
     n_branch_tokens = sum(len(b.input_ids) for e in eps for b in e.branches())
     assert len(trees[0].ids) < 0.6 * n_branch_tokens
     out = [[None] * len(e.turns) for e in eps]
     with torch.no_grad():
-        R.score_trees(model, trees, out, 1.0, "cpu")
+        scoring.score_trees(model, trees, out, 1.0, "cpu")
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(out[e][ti], torch.tensor(t.logprobs), atol=1e-4)
@@ -141,10 +141,10 @@ def test_group_tree_shares_the_prompt(model):
 def _unblocked(blocks, t):
     """The (n_blocks * TREE_BLOCK, T) mask a TreeBlocks stands for, scattered back."""
     n = len(blocks.order)
-    dense = torch.zeros(n * R.TREE_BLOCK, t, dtype=torch.bool)
+    dense = torch.zeros(n * scoring.TREE_BLOCK, t, dtype=torch.bool)
     for part in blocks.parts:
         for i, blk in enumerate(part.rows.tolist()):
-            rows = torch.arange(blk * R.TREE_BLOCK, (blk + 1) * R.TREE_BLOCK)[:, None]
+            rows = torch.arange(blk * scoring.TREE_BLOCK, (blk + 1) * scoring.TREE_BLOCK)[:, None]
             dense.index_put_((rows, part.cols[i][None]), part.mask[i, 0], accumulate=True)
     return dense
 
@@ -161,43 +161,43 @@ def test_tree_blocks_attend_where_the_mask_allows_and_skip_the_rest():
     depth = [0] * len(parent)
     for i, a in enumerate(parent):
         depth[i] = 0 if a < 0 else depth[a] + 1
-    tree = R.TokenTree(list(range(len(parent))), parent, depth, [], [])
+    tree = scoring.TokenTree(list(range(len(parent))), parent, depth, [], [])
     tree.paths = [list(range(p)) + list(range(p + r * per, p + (r + 1) * per)) for r in range(g)]
     n = len(parent)
-    allowed = R.tree_mask(tree, n)[None]
-    blocks = R.tree_blocks(allowed)
+    allowed = scoring.tree_mask(tree, n)[None]
+    blocks = scoring.tree_blocks(allowed)
     work = sum(part.mask.numel() for part in blocks.parts)
     assert work < 0.3 * n * n and len(blocks.parts) > 1
     assert torch.equal(_unblocked(blocks, n)[:n], allowed[0])
-    chain = R.tree_mask(R.TokenTree(list(range(n)), [i - 1 for i in range(n)], list(range(n)), [], [list(range(n))]), n)
-    assert R.tree_blocks(chain[None]) is None
+    chain = scoring.tree_mask(scoring.TokenTree(list(range(n)), [i - 1 for i in range(n)], list(range(n)), [], [list(range(n))]), n)
+    assert scoring.tree_blocks(chain[None]) is None
 
 
 def test_prefix_chunks_only_where_no_position_sees_a_later_one(monkeypatch):
-    monkeypatch.setattr(R, "PREFIX_CHUNK", 4)
+    monkeypatch.setattr(scoring, "PREFIX_CHUNK", 4)
     chain = torch.ones(10, 10, dtype=torch.bool).tril()[None]
-    assert R.prefix_chunks(chain) == [4, 8, 10]
-    assert R.prefix_chunks(chain[:, :4, :4]) is None  # one chunk: nothing to skip
+    assert scoring.prefix_chunks(chain) == [4, 8, 10]
+    assert scoring.prefix_chunks(chain[:, :4, :4]) is None  # one chunk: nothing to skip
     ahead = chain.clone()
     ahead[0, 2, 7] = True  # position 2 sees position 7: its chunk would lose a key
-    assert R.prefix_chunks(ahead) is None
+    assert scoring.prefix_chunks(ahead) is None
 
 
 def _scored_as_the_dense_mask(model, monkeypatch, path: str, chooser: str, score) -> list:
     """Score and backpropagate through `score(model)` twice: with the attention path `path`
     taken (checked with a spy), then with `chooser` returning None (the dense mask). Both
     must give the same log-probs and gradients; returns the first log-probs."""
-    calls, real = [], getattr(R, path)
+    calls, real = [], getattr(scoring, path)
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(R, path, spy)
+    monkeypatch.setattr(scoring, path, spy)
     results = []
     for taken in (True, False):
         if not taken:
-            monkeypatch.setattr(R, chooser, lambda allowed: None)
+            monkeypatch.setattr(scoring, chooser, lambda allowed: None)
         model.zero_grad()
         calls.clear()
         lps = score(model)
@@ -219,9 +219,9 @@ def test_prefix_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch
     chunks against their key prefixes: the same log-probs and gradient as the dense mask."""
     eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=1)
     assert sum(e.n_delete for e in eps) >= 1  # a tree, not only a chain
-    monkeypatch.setattr(R, "PREFIX_CHUNK", 16)
+    monkeypatch.setattr(scoring, "PREFIX_CHUNK", 16)
     _scored_as_the_dense_mask(model, monkeypatch, "_prefix_attention", "prefix_chunks",
-                              lambda m: R.episode_logprobs(m, eps))
+                              lambda m: scoring.episode_logprobs(m, eps))
 
 
 def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch):
@@ -229,9 +229,9 @@ def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch)
     through the dense (T, T) mask, and the block path is the one taken."""
     eps = run(model, "hf", docs=[DOC[:150], DOC[:200]], group=6)
     assert sum(e.n_delete for e in eps) >= 4  # branches inside the rollouts too, not only between them
-    monkeypatch.setattr(R, "TREE_BLOCK", 16)  # the tiny trees hold a few blocks of 16
+    monkeypatch.setattr(scoring, "TREE_BLOCK", 16)  # the tiny trees hold a few blocks of 16
     a = _scored_as_the_dense_mask(model, monkeypatch, "_block_attention", "tree_blocks",
-                                  lambda m: R.group_logprobs(m, eps, group_size=6))
+                                  lambda m: scoring.group_logprobs(m, eps, group_size=6))
     for e, ep in enumerate(eps):  # and both are the sampler's
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(a[e][ti].detach(), torch.tensor(t.logprobs), atol=1e-4)
@@ -239,7 +239,7 @@ def test_block_attention_scores_and_trains_as_the_dense_mask(model, monkeypatch)
 
 def test_logprobs_are_differentiable(model):
     eps = run(model, "hf", docs=[DOC[:200]], group=1)
-    lps = R.episode_logprobs(model, eps)
+    lps = scoring.episode_logprobs(model, eps)
     loss = -sum(t.sum() for t in lps[0])
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -264,9 +264,9 @@ def test_max_new_tokens_truncates(model):
 def test_sample_top_p_keeps_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]])
     g = torch.Generator().manual_seed(0)
-    seen = {R.sample(logits, 1.0, 0.5, g)[0].item() for _ in range(50)}
+    seen = {engine.sample(logits, 1.0, 0.5, g)[0].item() for _ in range(50)}
     assert seen == {0}
-    tok, lp = R.sample(logits, 0.0, 1.0, None)
+    tok, lp = engine.sample(logits, 0.0, 1.0, None)
     assert tok.item() == 0 and abs(lp.item() - torch.log_softmax(logits, -1)[0, 0].item()) < 1e-6
 
 
@@ -283,25 +283,25 @@ def test_grouped_kv_attention_equals_transformers_sdpa_and_is_restored(model):
     pos = torch.arange(t)[None].expand(2, t)
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        with R.grouped_kv_attention(model):
-            assert model.config._attn_implementation == R.GQA_ATTENTION
+        with engine.grouped_kv_attention(model):
+            assert model.config._attn_implementation == engine.GQA_ATTENTION
             got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     assert model.config._attn_implementation == "sdpa"
     assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_a_prefix_every_prompt_shares_is_computed_once_and_changes_nothing(model):
-    assert R._common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
-    assert R._common_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each keeps one id of its own
+    assert engine._common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert engine._common_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each keeps one id of its own
     ids = TOK.encode(DOC)
     prompts = [ids[:40] + ids[60:70], ids[:40] + ids[80:95], ids[:40] + ids[100:101]]
-    batch = R._Batch(model, TOK.pad_token_id, record=True)
-    batch.prefill([R.Row(i, None) for i in range(3)], prompts)
+    batch = engine._Batch(model, TOK.pad_token_id, record=True)
+    batch.prefill([engine.Row(i, None) for i in range(3)], prompts)
     assert batch.forward_tokens == 40 + 3 * 15  # the shared 40 once, then the rest padded to 15
     assert [batch.context(i) for i in range(3)] == prompts
     for i, p in enumerate(prompts):
-        alone = R._Batch(model, TOK.pad_token_id, record=False)
-        alone.prefill([R.Row(0, None)], [p])
+        alone = engine._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([engine.Row(0, None)], [p])
         assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-5)
 
 
@@ -323,12 +323,12 @@ def test_width_groups_is_the_cheapest_partition_of_the_rows():
         n = int(torch.randint(1, 7, (1,), generator=rng))
         lens = torch.randint(1, 300, (n,), generator=rng).tolist()
         for o in (0, 48, 400):
-            got = R.width_groups(lens, o)
+            got = engine.width_groups(lens, o)
             assert sorted(i for g in got for i in g) == list(range(n))  # each row once
             best = min(cost(lens, p, o) for p in _partitions(list(range(n))))
             assert cost(lens, got, o) == best
-    assert R.width_groups([300, 5, 290, 6], None) == [[0, 1, 2, 3]]  # no split: one forward, in order
-    assert R.width_groups([300, 5, 290, 6], 48) == [[0, 2], [1, 3]]
+    assert engine.width_groups([300, 5, 290, 6], None) == [[0, 1, 2, 3]]  # no split: one forward, in order
+    assert engine.width_groups([300, 5, 290, 6], 48) == [[0, 2], [1, 3]]
 
 
 def test_a_prefill_of_unequal_prompts_splits_by_length_and_changes_nothing(model):
@@ -336,29 +336,29 @@ def test_a_prefill_of_unequal_prompts_splits_by_length_and_changes_nothing(model
     lengths: fewer padded positions, the same logits and contexts."""
     ids = TOK.encode(DOC) * 2
     prompts = [ids[:40] + ids[40:200], ids[:40] + ids[50:52], ids[:40] + ids[60:210], ids[:40] + ids[70:73]]
-    batch = R._Batch(model, TOK.pad_token_id, record=True)
-    batch.prefill([R.Row(i, None) for i in range(4)], prompts)
+    batch = engine._Batch(model, TOK.pad_token_id, record=True)
+    batch.prefill([engine.Row(i, None) for i in range(4)], prompts)
     assert batch.forward_tokens == 40 + 2 * 160 + 2 * 3  # not 40 + 4 * 160 in one forward
     assert [batch.context(i) for i in range(4)] == prompts
     for i, p in enumerate(prompts):
-        alone = R._Batch(model, TOK.pad_token_id, record=False)
-        alone.prefill([R.Row(0, None)], [p])
+        alone = engine._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([engine.Row(0, None)], [p])
         assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-5)
     batch.extend([[5, 6, 7, 8, 9, 10] * 20, [11], [12, 13], [14, 15] * 40])  # results blocks too
     whole = [p + c for p, c in zip(prompts, [[5, 6, 7, 8, 9, 10] * 20, [11], [12, 13], [14, 15] * 40])]
     assert [batch.context(i) for i in range(4)] == whole
     for i, p in enumerate(whole):
-        alone = R._Batch(model, TOK.pad_token_id, record=False)
-        alone.prefill([R.Row(0, None)], [p])
+        alone = engine._Batch(model, TOK.pad_token_id, record=False)
+        alone.prefill([engine.Row(0, None)], [p])
         assert torch.allclose(batch.logits[i], alone.logits[0], atol=1e-4)
 
 
 def test_groups_keep_one_copy_of_their_prompt(model):
     """A prefill expanded to G rows keeps the prompt once per document; the rows'
     own slots hold only what they write after it."""
-    batch = R._Batch(model, TOK.pad_token_id, record=False)
+    batch = engine._Batch(model, TOK.pad_token_id, record=False)
     prompts = [TOK.encode(DOC)[:50], TOK.encode(DOC)[:30]]
-    batch.prefill([R.Row(i, None) for i in range(6)], prompts, expand=3)
+    batch.prefill([engine.Row(i, None) for i in range(6)], prompts, expand=3)
     cache = batch.cache
     assert cache.pkeys[0].shape[0] == 2 and cache.pkeys[0].shape[2] == 50
     assert cache.base == [50, 50, 50, 30, 30, 30] and batch.lens == cache.base
@@ -381,7 +381,7 @@ def test_nucleus_equals_a_full_sort_whether_or_not_the_top_k_hold_it(k):
     flat = torch.randn(6, 500, generator=g) * 0.1  # the nucleus is hundreds of ids wide: rows sorted whole
     probs = torch.cat([peaked, flat]).softmax(-1)
     for top_p in (0.05, 0.5, 0.9, 0.99):
-        got = R.nucleus(probs, top_p, k=k)
+        got = engine.nucleus(probs, top_p, k=k)
         assert torch.equal(got > 0, _nucleus_by_full_sort(probs, top_p) > 0)
         assert torch.allclose(got, _nucleus_by_full_sort(probs, top_p))
 
@@ -414,17 +414,17 @@ def test_api_backend_drives_the_sandbox():
         ('<delete scope="sentence"', "stop"),
         (" Acme made $4.2 billion.", "stop"),
     ])
-    cfg = R.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
+    cfg = engine.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
                            max_new_tokens=500)
-    client = R.ApiClient(srv.url, "teacher", retries=3, backoff_s=0.01, concurrency=1)
+    client = engine.ApiClient(srv.url, "teacher", retries=3, backoff_s=0.01, concurrency=1)
     try:
-        [ep] = R.rollout_api([DOC], 1, cfg, client=client)
+        [ep] = engine.rollout_api([DOC], 1, cfg, client=client)
     finally:
         srv.httpd.shutdown()
     assert [c.kind for c in ep.calls] == ["search", "delete"]
     assert ep.summary == "Acme made $4.2 billion."
     assert client.usage["retries"] == 2 and client.usage["requests"] == 3
-    assert srv.requests[0]["stop"] == R.API_STOPS
+    assert srv.requests[0]["stop"] == engine.API_STOPS
     # the second request continues from the text so far, results included
     assert srv.requests[1]["prompt"].endswith("</search>" + ep.turns[0].injected)
     # the third sees the pruned context: the retracted sentence is gone
@@ -435,9 +435,9 @@ def test_api_backend_drives_the_sandbox():
 def test_api_client_gives_up_with_a_clear_error():
     srv = _Server([])
     srv.failures = [500] * 10
-    client = R.ApiClient(srv.url, "m", retries=2, backoff_s=0.01)
+    client = engine.ApiClient(srv.url, "m", retries=2, backoff_s=0.01)
     try:
-        with pytest.raises(R.ApiError, match="gave up after 3 attempts"):
+        with pytest.raises(engine.ApiError, match="gave up after 3 attempts"):
             client.post("/completions", {"prompt": "x"})
     finally:
         srv.httpd.shutdown()
@@ -455,10 +455,10 @@ def test_vllm_backend_agrees_with_the_trainer(tmp_path):  # pragma: no cover - n
     llm = vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
                    logprobs_mode="processed_logprobs")
     docs = [d.text for d in newsworld.documents(4, seed=0)]
-    eps = R.rollout(llm, tok, docs, 2, R.SamplingConfig(backend="vllm", temperature=1.0, max_new_tokens=64))
+    eps = engine.rollout(llm, tok, docs, 2, engine.SamplingConfig(backend="vllm", temperature=1.0, max_new_tokens=64))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     with torch.no_grad():
-        lps = R.episode_logprobs(model, eps)
+        lps = scoring.episode_logprobs(model, eps)
     for e, ep in enumerate(eps):
         assert ep.has_ids and len(ep.contexts()) == len(ep.turns)
         for ti, t in enumerate(ep.turns):
@@ -484,7 +484,7 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
     loaded = modeling.load_tokenizer(str(tmp_path))
     assert loaded.generation_eos_ids == [0, 5]
-    assert R.stop_ids(loaded) == [0, 1, 5]  # eos, <|endoftext|> by name, the config's 5
+    assert engine.stop_ids(loaded) == [0, 1, 5]  # eos, <|endoftext|> by name, the config's 5
     (tmp_path / "generation_config.json").write_text("{not json")
     assert modeling.load_tokenizer(str(tmp_path)).generation_eos_ids == []
     assert modeling.generation_eos_ids(str(tmp_path / "nowhere")) == []
@@ -492,23 +492,23 @@ def test_stop_ids_take_the_generation_configs_end_ids_and_every_end_token(tmp_pa
 
 def test_make_generator_lives_on_the_models_device_and_draws_like_the_default():
     model = tiny_llama(bpe_tokenizer())
-    g = R.make_generator(7, model)
+    g = engine.make_generator(7, model)
     assert g.device == next(model.parameters()).device
     assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(7)))
     logits = torch.randn(4, 50)
-    a = R.sample(logits, 1.0, 1.0, R.make_generator(3, "cpu"))
-    b = R.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(3))
+    a = engine.sample(logits, 1.0, 1.0, engine.make_generator(3, "cpu"))
+    b = engine.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.gpu
 def test_sampling_cuda_logits_with_a_cuda_generator_and_with_a_resumed_cpu_one():
     logits = torch.randn(4, 50, device="cuda")
-    tok, lp = R.sample(logits, 1.0, 0.9, R.make_generator(0, "cuda"))
+    tok, lp = engine.sample(logits, 1.0, 0.9, engine.make_generator(0, "cuda"))
     assert tok.device.type == "cuda" and lp.device.type == "cuda"
-    tok_cpu, _ = R.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(0))  # a CPU state resumed on a GPU
+    tok_cpu, _ = engine.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(0))  # a CPU state resumed on a GPU
     assert tok_cpu.device.type == "cuda"
-    assert torch.equal(tok_cpu.cpu(), R.sample(logits.cpu(), 1.0, 0.9, torch.Generator().manual_seed(0))[0])
+    assert torch.equal(tok_cpu.cpu(), engine.sample(logits.cpu(), 1.0, 0.9, torch.Generator().manual_seed(0))[0])
 
 
 def test_api_backend_guards_the_context_too():
@@ -518,10 +518,10 @@ def test_api_backend_guards_the_context_too():
     srv.failures = []
     prompt = len(__import__("sandbox").prompt_messages(DOC)[1]["content"]) + len(S_PROMPT)
     room = (prompt + 80) // 4  # the prompt and the first round's 46 characters, not the results after them
-    cfg = R.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
+    cfg = engine.SamplingConfig(backend="api", api_base=srv.url, api_model="teacher", api_concurrency=1,
                            max_new_tokens=500, max_context_tokens=room)
     try:
-        [ep] = R.rollout_api([DOC], 1, cfg, client=R.ApiClient(srv.url, "teacher", retries=0))
+        [ep] = engine.rollout_api([DOC], 1, cfg, client=engine.ApiClient(srv.url, "teacher", retries=0))
     finally:
         srv.httpd.shutdown()
     assert ep.flags.get("truncated") and len(srv.requests) == 1
@@ -534,11 +534,11 @@ S_PROMPT = __import__("sandbox").SYSTEM_PROMPT
 def test_draw_samples_the_distribution_and_never_an_id_of_probability_zero(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]]).repeat(100_000, 1)  # unnormalised, zeros at both ends
-    freq = torch.bincount(R.draw(p, gen), minlength=6).double() / len(p)
+    freq = torch.bincount(engine.draw(p, gen), minlength=6).double() / len(p)
     assert torch.allclose(freq, torch.tensor([0, 0.2, 0, 0.5, 0.3, 0], dtype=torch.float64), atol=0.006)
     for u in (0.0, 1 - 2 ** -53):  # the ends of torch.rand's range
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
-        assert R.draw(p[:1], gen).item() == (1 if u == 0 else 4)
+        assert engine.draw(p[:1], gen).item() == (1 if u == 0 else 4)
 
 
 def test_a_model_that_post_processes_its_logits_is_scored_through_its_own_forward():
@@ -558,12 +558,12 @@ def test_a_model_that_post_processes_its_logits_is_scored_through_its_own_forwar
     eps = run(plain, "hf", docs=DOCS[:2], group=1)
     for m in (plain, capped):
         m.train()  # the check runs in eval mode whatever mode the model is in
-        assert R.head_is_plain(m) is (m is plain)
-        got = R.episode_logprobs(m, eps)
-        want = R.episode_logprobs(m, eps, method="branch")  # the reference path: one sequence per branch
+        assert scoring.head_is_plain(m) is (m is plain)
+        got = scoring.episode_logprobs(m, eps)
+        want = scoring.episode_logprobs(m, eps, method="branch")  # the reference path: one sequence per branch
         for a, b in zip(got, want):
             assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(a, b) if x is not None)
-    assert not torch.allclose(R.episode_logprobs(plain, eps)[0][0], R.episode_logprobs(capped, eps)[0][0])
+    assert not torch.allclose(scoring.episode_logprobs(plain, eps)[0][0], scoring.episode_logprobs(capped, eps)[0][0])
 
 
 class _Hostile:
@@ -623,17 +623,17 @@ class _Hostile:
 def test_api_client_refuses_redirects_oversized_and_malformed_answers():
     other = _Hostile()  # "another host": localhost, not 127.0.0.1
     srv = _Hostile(other.port)
-    client = R.ApiClient(f"http://127.0.0.1:{srv.port}/v1", "m", key="secret", retries=2, backoff_s=5.0,
+    client = engine.ApiClient(f"http://127.0.0.1:{srv.port}/v1", "m", key="secret", retries=2, backoff_s=5.0,
                          max_response_bytes=1 << 20)
     try:
-        with pytest.raises(R.ApiError, match="redirect to http://localhost"):
+        with pytest.raises(engine.ApiError, match="redirect to http://localhost"):
             client.post("/redirect", {})
         assert other.auth == [] and srv.auth == ["Bearer secret"]  # the key never left for the other host
-        with pytest.raises(R.ApiError, match="over 1048576 bytes"):
+        with pytest.raises(engine.ApiError, match="over 1048576 bytes"):
             client.post("/big", {})
-        with pytest.raises(R.ApiError, match="not JSON.*RecursionError"):
+        with pytest.raises(engine.ApiError, match="not JSON.*RecursionError"):
             client.post("/nested", {})
-        with pytest.raises(R.ApiError, match="a JSON list, not an object"):
+        with pytest.raises(engine.ApiError, match="a JSON list, not an object"):
             client.post("/array", {})
         t0 = time.perf_counter()
         assert client.post("/busy", {}) == {"ok": True}  # Retry-After: 0, not the 5 s backoff
@@ -649,7 +649,7 @@ def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, m
     the log-probs are those of the unpadded forward. Without autocast nothing is padded."""
     eps = run(model, "hf")
     with torch.no_grad():
-        R.episode_logprobs(model, eps[:1])  # the once-per-model head check runs its own short forwards
+        scoring.episode_logprobs(model, eps[:1])  # the once-per-model head check runs its own short forwards
     widths, real = [], model.get_decoder().forward
 
     def spy(*a, **k):
@@ -658,9 +658,9 @@ def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, m
 
     monkeypatch.setattr(model.get_decoder(), "forward", spy)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        padded = R.episode_logprobs(model, eps, method="tree")
-        monkeypatch.setattr(R, "SHAPE_STEP", 1)
-        plain = R.episode_logprobs(model, eps, method="tree")
+        padded = scoring.episode_logprobs(model, eps, method="tree")
+        monkeypatch.setattr(scoring, "SHAPE_STEP", 1)
+        plain = scoring.episode_logprobs(model, eps, method="tree")
     assert widths and all(w % 64 == 0 for w in widths[:len(widths) // 2]), widths
     assert any(w % 64 for w in widths[len(widths) // 2:])  # the check has teeth: real widths are ragged
     for a, b in zip(padded, plain):
@@ -668,22 +668,22 @@ def test_bf16_scoring_on_a_cpu_rounds_its_shapes_up_and_scores_the_same(model, m
             assert x.shape == y.shape and torch.allclose(x.float(), y.float(), atol=2e-2)
     widths.clear()
     with torch.no_grad():
-        R.episode_logprobs(model, eps, method="tree")
+        scoring.episode_logprobs(model, eps, method="tree")
     assert any(w % 64 for w in widths)  # fp32: nothing padded
 
 
 def test_timed_parts_times_the_engine_parts_and_restores_them(model):
     """bench/rollout.py's profile: every part the engine ran has time, attention is inside the
     forward, and after the block the engine runs its own functions again, untimed."""
-    before = (R.sample, R.ScriptedProcessor.__call__)
-    with R.timed_parts() as secs:
+    before = (engine.sample, engine.ScriptedProcessor.__call__)
+    with engine.timed_parts() as secs:
         eps = run(model, "hf")
     assert sum(e.n_search for e in eps) == 5  # the scripted tool calls ran through the timed sandbox
     for part in ("forward", "attention", "cache writes", "sampling", "sandbox", "script (bench only)"):
         assert secs[part] > 0, part
     assert secs["attention"] < secs["forward"]
-    assert (R.sample, R.ScriptedProcessor.__call__) == before
-    with R.timed_parts() as again:
+    assert (engine.sample, engine.ScriptedProcessor.__call__) == before
+    with engine.timed_parts() as again:
         pass
     run(model, "hf")
     assert sum(again.values()) == 0

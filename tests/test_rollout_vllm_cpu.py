@@ -1,4 +1,4 @@
-"""The vllm backend on CPU: `rollout.rollout_vllm` driven by a stand-in for the
+"""The vllm backend on CPU: `engine.rollout_vllm` driven by a stand-in for the
 parts of vLLM it uses (`SamplingParams`, `vllm.inputs.TokensPrompt`,
 `LLM.generate` and the `RequestOutput`s it returns), which samples from a tiny
 HF model one token at a time. Episodes must equal the re-prefilling oracle's
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import sandbox
-from factual_tools import rollout as R
+from factual_tools import engine, scoring
 from helpers import DOC, bpe_tokenizer, script_ids, tiny_llama
 
 TOK = bpe_tokenizer()
@@ -151,7 +151,7 @@ class LLM:
 
     `scripts` maps prompt ids (a document's prompt) to the ids the episode
     whose requests start with them must write, in order, across all its
-    requests: `rollout.ScriptedProcessor` for this engine, where a row is found
+    requests: `engine.ScriptedProcessor` for this engine, where a row is found
     by its prompt instead of its index (so one scripted episode per document).
     A scripted id is taken whatever the sampler would have chosen and is
     reported with the policy's log-prob, as vLLM reports a token a logits
@@ -325,12 +325,12 @@ def prompt_key(doc: str) -> tuple[int, ...]:
 def run_both(model, docs, scripts: list[list[int] | None], max_new: int = 90, **kw):
     """(vllm episodes, hf_naive episodes, the stand-in engine), greedy, one episode per document."""
     assert len(set(docs)) == len(docs)
-    cfg = R.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=max_new, **kw)
+    cfg = engine.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=max_new, **kw)
     llm = LLM(model, TOK, scripts={prompt_key(d): s for d, s in zip(docs, scripts) if s})
-    eps = R.rollout_vllm(llm, TOK, docs, 1, cfg)
-    naive_cfg = R.SamplingConfig(backend="hf_naive", temperature=0.0, max_new_tokens=max_new, **kw)
-    proc = R.ScriptedProcessor({i: s for i, s in enumerate(scripts) if s})
-    oracle = R.rollout(model, TOK, docs, 1, naive_cfg, logits_processor=proc)
+    eps = engine.rollout_vllm(llm, TOK, docs, 1, cfg)
+    naive_cfg = engine.SamplingConfig(backend="hf_naive", temperature=0.0, max_new_tokens=max_new, **kw)
+    proc = engine.ScriptedProcessor({i: s for i, s in enumerate(scripts) if s})
+    oracle = engine.rollout(model, TOK, docs, 1, naive_cfg, logits_processor=proc)
     return eps, oracle, llm
 
 
@@ -429,7 +429,7 @@ def test_scripted_vllm_rollout_equals_hf_naive(model, fake_vllm, max_new):
     for r in llm.requests:
         sp = r.params
         assert (sp.stop, sp.include_stop_str_in_output, sp.logprobs) == (["</search>", "/>"], True, 0)
-        assert sp.stop_token_ids == R.stop_ids(TOK) and 1 <= sp.max_tokens <= max_new
+        assert sp.stop_token_ids == engine.stop_ids(TOK) and 1 <= sp.max_tokens <= max_new
     assert len({r.params.seed for r in llm.requests}) == len(llm.requests)
     if max_new == 90:
         assert sum(e.n_search for e in eps) == 4 and sum(e.n_delete for e in eps) == 5
@@ -446,9 +446,9 @@ def test_vllm_logprobs_reproduce_the_scorer(model, fake_vllm):
     recomputes from the episodes, sampled tokens and scripted ones alike."""
     scripts = [script_ids(TOK, s) if s else None for s in SCRIPTS]
     llm = LLM(model, TOK, scripts={prompt_key(d): s for d, s in zip(DOCS, scripts) if s})
-    eps = R.rollout_vllm(llm, TOK, DOCS, 1, R.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=90))
+    eps = engine.rollout_vllm(llm, TOK, DOCS, 1, engine.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=90))
     with torch.no_grad():
-        lps = R.episode_logprobs(model, eps)
+        lps = scoring.episode_logprobs(model, eps)
     n_free = 0
     for e, ep in enumerate(eps):
         n_script = len(scripts[e] or [])
@@ -467,36 +467,36 @@ def test_sampling_with_temperature(model, fake_vllm, mode, score_t):
     the raw logits (T = 1) by default, as rollout_vllm's docstring says. The
     same seed gives the same episodes; another seed other ones."""
     docs = [DOC[:300], DOC[150:450]]
-    cfg = R.SamplingConfig(backend="vllm", temperature=0.7, max_new_tokens=40, seed=5)
-    eps = R.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2, cfg)
+    cfg = engine.SamplingConfig(backend="vllm", temperature=0.7, max_new_tokens=40, seed=5)
+    eps = engine.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2, cfg)
     assert len(eps) == 4 and [e.document for e in eps] == [docs[0], docs[0], docs[1], docs[1]]
     with torch.no_grad():
-        lps = R.episode_logprobs(model, eps, temperature=score_t)
-        other = R.episode_logprobs(model, eps, temperature=1.7 - score_t)
+        lps = scoring.episode_logprobs(model, eps, temperature=score_t)
+        other = scoring.episode_logprobs(model, eps, temperature=1.7 - score_t)
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             assert torch.allclose(lps[e][ti], torch.tensor(t.logprobs), atol=1e-4)
     assert not all(torch.allclose(other[e][ti], torch.tensor(t.logprobs), atol=1e-2)
                    for e, ep in enumerate(eps) for ti, t in enumerate(ep.turns))
-    again = R.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2, cfg)
+    again = engine.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2, cfg)
     assert [[t.ids for t in e.turns] for e in again] == [[t.ids for t in e.turns] for e in eps]
-    reseeded = R.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2,
-                              R.SamplingConfig(backend="vllm", temperature=0.7, max_new_tokens=40, seed=6))
+    reseeded = engine.rollout_vllm(LLM(model, TOK, logprobs_mode=mode), TOK, docs, 2,
+                              engine.SamplingConfig(backend="vllm", temperature=0.7, max_new_tokens=40, seed=6))
     assert [[t.ids for t in e.turns] for e in reseeded] != [[t.ids for t in e.turns] for e in eps]
     # the two rollouts of a document are sampled independently
     assert [t.ids for t in eps[0].turns] != [t.ids for t in eps[1].turns]
 
 
 def test_rollout_dispatches_and_lora_request_reaches_generate(model, fake_vllm):
-    cfg = R.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=6)
+    cfg = engine.SamplingConfig(backend="vllm", temperature=0.0, max_new_tokens=6)
     adapter = object()  # stands for a vllm.lora.request.LoRARequest
     llm = LLM(model, TOK)
-    direct = R.rollout_vllm(llm, TOK, [DOC[:200]], 2, cfg, lora_request=adapter)
+    direct = engine.rollout_vllm(llm, TOK, [DOC[:200]], 2, cfg, lora_request=adapter)
     assert llm.requests and all(r.lora_request is adapter for r in llm.requests)
-    via = R.rollout(LLM(model, TOK), TOK, [DOC[:200]], 2, cfg)
+    via = engine.rollout(LLM(model, TOK), TOK, [DOC[:200]], 2, cfg)
     assert_same(direct, via, tol=0)
     with pytest.raises(ValueError, match="logits_processor"):
-        R.rollout(LLM(model, TOK), TOK, [DOC[:200]], 1, cfg, logits_processor=R.ScriptedProcessor({}))
+        engine.rollout(LLM(model, TOK), TOK, [DOC[:200]], 1, cfg, logits_processor=engine.ScriptedProcessor({}))
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import monitor
 import rewards
 import sandbox
 import serve
-from factual_tools import rollout, settings
+from factual_tools import engine, settings
 import newsworld
 from helpers import DOC, bpe_tokenizer, save_tiny_policy, script_ids, tiny_llama
 
@@ -72,8 +72,8 @@ def scripted_response():
     tok = bpe_tokenizer()
     model = tiny_llama(tok)
     written = f"{WRONG}<search>Globex</search><delete scope=\"sentence\"/> Acme bought Beta."
-    cfg = rollout.SamplingConfig(temperature=0.0, max_new_tokens=64)
-    (ep,) = rollout.rollout(model, tok, [DOC], 1, cfg, logits_processor=rollout.ScriptedProcessor(
+    cfg = engine.SamplingConfig(temperature=0.0, max_new_tokens=64)
+    (ep,) = engine.rollout(model, tok, [DOC], 1, cfg, logits_processor=engine.ScriptedProcessor(
         {0: script_ids(tok, written)}))
     score = rewards.score(DOC, ep, rewards.RewardConfig(factuality="lexical"))
     return ep, serve.episode_response(DOC, ep, score, tau=0.5)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import data
 import sandbox as S
 import sft
-from factual_tools import common, modeling, rollout, settings, training
+from factual_tools import common, modeling, scoring, settings, training
 from newsworld.tiny import build_tiny_model
 from helpers import assert_trackers_match_metrics, killed_after_checkpoint, newsworld_traces, offline_trackers
 
@@ -124,7 +124,7 @@ def test_rewrite_weight_counts_the_rewritten_sentence_w_times_and_nothing_else(t
     plain = sft.sequence_loss(model, [ep], base, mask_retracted=True)
     assert torch.equal(plain, sft.sequence_loss(model, [ep], base, mask_retracted=True, rewrite_weight=1.0, tokenizer=tok))
     # by hand: the rewrite's ids once more per extra weight, every other trained id as before
-    lp = sft.rollout.episode_logprobs(model, [ep])[0][k][:n]
+    lp = sft.scoring.episode_logprobs(model, [ep])[0][k][:n]
     got = sft.sequence_loss(model, [ep], base, mask_retracted=True, rewrite_weight=4.0, tokenizer=tok)
     assert torch.allclose(got, plain - 3.0 * lp.sum() / base, atol=1e-5)
     with pytest.raises(ValueError, match="tokenizer"):
@@ -147,7 +147,7 @@ def test_decision_weight_counts_the_first_id_after_each_search_d_times_masked_or
     base = sft.n_generated(ep, mask_retracted=True)
     plain = sft.sequence_loss(model, [ep], base, mask_retracted=True)
     assert torch.equal(plain, sft.sequence_loss(model, [ep], base, mask_retracted=True, decision_weight=1.0))
-    lp = sft.rollout.episode_logprobs(model, [ep])[0]
+    lp = sft.scoring.episode_logprobs(model, [ep])[0]
     got = sft.sequence_loss(model, [ep], base, mask_retracted=True, decision_weight=5.0)
     # ...and trained 5 times with the weight; the delete's first id once more per extra weight (4 more)
     assert torch.allclose(got, plain - (5.0 * lp[1][0] + 4.0 * lp[2][0]) / base, atol=1e-5)
@@ -207,12 +207,12 @@ def test_optimizer_step_accumulates_and_a_non_finite_loss_updates_nothing():
 
 def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
     """One mask validator serves SFT and distillation (a seeded sample) and RL (every
-    rollout, before every update): rollout.validate_masks."""
+    rollout, before every update): scoring.validate_masks."""
     tok = modeling.load_tokenizer(tiny)
     eps = [e.tokenized(tok) for e in newsworld_traces(5, seed=2)]
-    assert rollout.validate_masks(eps, tok, 5) == 5
-    assert rollout.validate_masks(eps, tok, 3) == 3
-    assert rollout.validate_masks(eps, tok) == 5  # no sample size: every episode
+    assert scoring.validate_masks(eps, tok, 5) == 5
+    assert scoring.validate_masks(eps, tok, 3) == 3
+    assert scoring.validate_masks(eps, tok) == 5  # no sample size: every episode
     assert not hasattr(sft, "validate_masks")
     real = S.Episode.branches
     checked = []
@@ -223,9 +223,9 @@ def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
 
     monkeypatch.setattr(S.Episode, "branches", shifted)
     with pytest.raises(S.MaskError):
-        rollout.validate_masks(eps, tok, 5)
+        scoring.validate_masks(eps, tok, 5)
     with pytest.raises(S.MaskError):
-        rollout.validate_masks(eps[1:], tok)
+        scoring.validate_masks(eps[1:], tok)
     assert checked[-1] is eps[1]  # every episode, in order: the first one already fails
 
 
@@ -420,7 +420,7 @@ def test_rejection_teacher_and_stripped_corpora_train_on_what_they_say(tiny, tra
     def fake_score(items, cfg=None, scorer=None, teacher=None):
         return [dict(r, **{"pass": i % 2 == 0}) for i, r in enumerate(real_score(items, cfg))]
 
-    monkeypatch.setattr(sft.rollout, "validate_masks", spy_validate)
+    monkeypatch.setattr(sft.scoring, "validate_masks", spy_validate)
     monkeypatch.setattr(sft.rewards, "score_batch", fake_score)
     monkeypatch.setattr(S.Episode, "valid", property(lambda self: True))
     base = S.read_episodes(str(traces / "train.jsonl"))

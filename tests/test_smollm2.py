@@ -14,7 +14,7 @@ import rl
 import sandbox
 import serve
 import sft
-from factual_tools import common, modeling, rollout as R
+from factual_tools import common, engine, modeling, scoring
 import newsworld
 from helpers import script_ids
 
@@ -47,8 +47,8 @@ def scripted_rollout(model, tok, backend, group=2):
     """Row i writes SCRIPTS[i % 2]: in one piece on the first document's rows, turn by turn
     (`script_ids`: no token straddles a call's end) on the second's."""
     scripts = {i: (raw_ids if i < group else script_ids)(tok, SCRIPTS[i % 2]) for i in range(len(DOCS) * group)}
-    cfg = R.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=max(map(len, scripts.values())) + 2)
-    return R.rollout(model, tok, DOCS, group, cfg, logits_processor=R.ScriptedProcessor(scripts),
+    cfg = engine.SamplingConfig(backend=backend, temperature=0.0, max_new_tokens=max(map(len, scripts.values())) + 2)
+    return engine.rollout(model, tok, DOCS, group, cfg, logits_processor=engine.ScriptedProcessor(scripts),
                      record_contexts=True)
 
 
@@ -66,7 +66,7 @@ def test_the_preset_is_converted_once_with_the_turn_end_as_eos(smol):
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
     assert cfg.tie_word_embeddings and "quantization_config" not in cfg.to_dict()
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and tok.pad_token_id == 2
-    assert R.stop_ids(tok) == [2]  # the GGUF named <|im_start|> (1) as eos: a turn would never end
+    assert engine.stop_ids(tok) == [2]  # the GGUF named <|im_start|> (1) as eos: a turn would never end
 
 
 def test_a_missing_wheel_names_the_install_command(monkeypatch):
@@ -112,9 +112,9 @@ def test_tree_and_group_scoring_equal_branch_scoring_and_the_sampler(smol, episo
     _, model, tok = smol
     eps = episodes
     with torch.no_grad():
-        branch = R.episode_logprobs(model, eps, method="branch")
-        tree = R.episode_logprobs(model, eps, method="tree")
-        group = R.group_logprobs(model, eps, group_size=2)
+        branch = scoring.episode_logprobs(model, eps, method="branch")
+        tree = scoring.episode_logprobs(model, eps, method="tree")
+        group = scoring.group_logprobs(model, eps, group_size=2)
     for e, ep in enumerate(eps):
         for ti, t in enumerate(ep.turns):
             sampler = torch.tensor(t.logprobs)
@@ -208,7 +208,7 @@ def test_on_a_gpu_the_engine_equals_reprefilling_and_scoring_equals_the_sampler(
     assert next(model.parameters()).device.type == "cuda"
     eps, naive = scripted_rollout(model, tok, "hf"), scripted_rollout(model, tok, "hf_naive")
     with torch.no_grad():
-        tree = R.episode_logprobs(model, eps, method="tree")
+        tree = scoring.episode_logprobs(model, eps, method="tree")
     for e, (a, b) in enumerate(zip(eps, naive, strict=True)):
         assert [t.ids for t in a.turns] == [t.ids for t in b.turns] and a.meta["engine_contexts"] == a.contexts()
         for ti, (ta, tb) in enumerate(zip(a.turns, b.turns)):

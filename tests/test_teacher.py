@@ -135,7 +135,7 @@ def test_a_document_the_endpoint_always_rejects_costs_only_itself(docs, tmp_path
 
 def test_bad_setups_fail_with_the_fix(docs, tmp_path):
     with pytest.raises(SystemExit, match="api_model is empty"):
-        T.main(config(docs, tmp_path, "http://127.0.0.1:9/v1", sampling=T.rollout.SamplingConfig(backend="api")))
+        T.main(config(docs, tmp_path, "http://127.0.0.1:9/v1", sampling=T.engine.SamplingConfig(backend="api")))
     with pytest.raises(SystemExit, match="python data.py load"):
         T.main(config(str(tmp_path / "none.jsonl"), tmp_path, "http://127.0.0.1:9/v1"))
     assert settings.load_config(T.Config, ["--config", "configs/teacher_cnn.yaml"]).out == \
@@ -153,16 +153,16 @@ def test_v19_without_teacher_episodes_names_their_producer(tmp_path):
 
 def test_the_oracle_server_answers_as_a_teacher_would():
     from newsworld import oracle_server
-    from factual_tools import rollout
+    from factual_tools import engine
     from factual_tools import teachers
 
     docs = list(newsworld.documents(3, seed=4))
     url, httpd = oracle_server.serve(docs)
     try:
-        client = rollout.ApiClient(url, "oracle", retries=0)
+        client = engine.ApiClient(url, "oracle", retries=0)
         for mode in ("chat", "completions"):
-            cfg = rollout.SamplingConfig(backend="api", api_base=url, api_model="oracle", api_mode=mode)
-            [ep] = rollout.rollout_api(docs[:1], 1, cfg, client=client)
+            cfg = engine.SamplingConfig(backend="api", api_base=url, api_model="oracle", api_mode=mode)
+            [ep] = engine.rollout_api(docs[:1], 1, cfg, client=client)
             assert [c.kind for c in ep.calls] == ["search"] and ep.calls[0].hits
             assert ep.summary == " ".join(textsplit.split_sentences(docs[0].summary))
         rng = __import__("random").Random(0)
@@ -172,7 +172,7 @@ def test_the_oracle_server_answers_as_a_teacher_would():
         got = json.loads(out["choices"][0]["message"]["content"])["errors"]
         want = oracle.oracle_errors(docs[1], draft)
         assert [e["error_span"] for e in got] == [e["error_span"] for e in want] and len(got) == 2
-        with pytest.raises(rollout.ApiError, match="HTTP 400"):
+        with pytest.raises(engine.ApiError, match="HTTP 400"):
             client.post("/completions", {"prompt": "Summarise this article.\n\nNot a known text.\n\nSummary: "})
         import http.client
 
@@ -182,7 +182,7 @@ def test_the_oracle_server_answers_as_a_teacher_would():
         conn.endheaders()
         assert conn.getresponse().status == 413
         conn.close()
-        with pytest.raises(rollout.ApiError, match="HTTP 400"):
+        with pytest.raises(engine.ApiError, match="HTTP 400"):
             client.post("/completions", {"prompt": [[[[]]]] * 2})
     finally:
         httpd.shutdown()
