@@ -126,7 +126,7 @@ def test_tree_scoring_sees_only_its_own_branch(model):
 
 def test_group_tree_shares_the_prompt(model):
     eps = run(model, "hf", docs=[DOC], group=4)
-    trees = scoring.group_trees(eps)
+    trees = scoring.episode_trees(eps, None, group=True)
     assert len(trees) == 1
     n_branch_tokens = sum(len(b.input_ids) for e in eps for b in e.branches())
     assert len(trees[0].ids) < 0.6 * n_branch_tokens
