@@ -4,7 +4,7 @@
     python distill.py --config configs/distill_tiny.yaml teacher=runs/sft_tiny/final name=distill_sft
     python distill.py --config configs/distill_tiny.yaml target=both kd.weight=0   # CE only
 
-1. The teacher (a trained directory, `modeling.load_trained`) writes `generate.samples_per_doc`
+1. The teacher (a trained directory, `modeling.trained_model_config`) writes `generate.samples_per_doc`
    episodes per training document with the sandbox in the loop, cached in the run directory;
    `generate.filter` keeps the clean ones, optionally only those that pass the reward or reach
    `generate.min_factuality`.
@@ -47,7 +47,7 @@ from factual_tools import common, engine, evaluation, modeling, scoring, setting
 
 
 @dataclass
-class DataConfig:
+class DistillData:
     docs: str = "out/newsworld/docs.jsonl"  # Document JSONL (fact tables for the oracle)
     split: str = "out/newsworld/split.json"  # leak-cluster manifest: train pool generates, eval pool evaluates
     max_train_docs: int = 256  # training documents the teacher writes for (0 = the whole train pool)
@@ -77,7 +77,7 @@ class KDConfig:
 
 
 @dataclass
-class EvalConfig:
+class DistillEval:
     n_docs: int = 32  # held-out documents (eval pool of the split) for the comparison; 0 = none
     latency_docs: int = 16  # of those, timed one at a time (batch 1)
     n_samples: int = 1  # sampled rollouts per document (eval.py's pass@k; 1 keeps it cheap)
@@ -99,10 +99,10 @@ class Config:
     keep_every: float = 0
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     target: Literal["summary", "episode", "both"] = "summary"
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DistillData = field(default_factory=DistillData)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     kd: KDConfig = field(default_factory=KDConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: DistillEval = field(default_factory=DistillEval)
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)  # for generate.filter
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     steps: int = 300  # optimizer steps
@@ -175,7 +175,7 @@ def clean(ep: sandbox.Episode) -> bool:
 
 
 def keep_episode(ep: sandbox.Episode, score: dict | None, cfg: GenerateConfig) -> bool:
-    """`generate.filter` on one teacher episode (`score`: its rewards.score_batch row)."""
+    """`generate.filter` on one teacher episode (`score`: its rewards.Scorer.score_batch row)."""
     if cfg.filter == "none":
         return bool(ep.summary.strip())
     if not clean(ep):
@@ -453,7 +453,7 @@ def teacher_episodes(cfg: Config, run_dir: Path, teacher, tok, docs, limits) -> 
     eps = engine.rollout(teacher, tok, docs, g.samples_per_doc, scfg, limits,
                           generator=engine.make_generator(cfg.seed, teacher), progress="teacher summaries")
     docs_rep = [d for d in docs for _ in range(g.samples_per_doc)]
-    scores = rewards.score_batch(list(zip(docs_rep, eps)), cfg.reward) if g.filter in ("pass", "factuality") \
+    scores = rewards.Scorer(cfg.reward).score_batch(list(zip(docs_rep, eps))) if g.filter in ("pass", "factuality") \
         else [None] * len(eps)
     kept = []
     for ep, s in zip(eps, scores):
@@ -487,7 +487,7 @@ def pruned_teacher(teacher_dir: str, keep_every: float, out_dir: Path, base: mod
         return out_dir
     import torch.nn as nn
 
-    model, tok = modeling.load_trained(teacher_dir, train=False, base=base)
+    model, tok = modeling.load_policy(modeling.trained_model_config(teacher_dir, base), train=False)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     n = model.config.num_hidden_layers
@@ -540,7 +540,7 @@ def main(cfg: Config) -> dict:
     if not Path(cfg.data.docs).exists():
         raise SystemExit(f"data.docs={cfg.data.docs}: no such file (write it with `python -m newsworld generate "
                          f"--n 1000 --seed 0 --out {cfg.data.docs}` and split it with `python data.py split`)")
-    train_docs, _, how = training.load_documents(training.DataConfig(train=cfg.data.docs, split=cfg.data.split))
+    train_docs, _, how = training.load_documents(training.DocumentData(train=cfg.data.docs, split=cfg.data.split))
     if cfg.data.max_train_docs:
         train_docs = train_docs[:cfg.data.max_train_docs]
     if not train_docs:
@@ -550,7 +550,7 @@ def main(cfg: Config) -> dict:
     print(f"data: {len(train_docs)} training, {len(eval_docs)} held-out documents ({how})")
     if not Path(cfg.teacher).exists():
         raise SystemExit(f"teacher={cfg.teacher} does not exist: train it first (sft.py or rl.py)")
-    teacher, t_tok = modeling.load_trained(cfg.teacher, train=False)
+    teacher, t_tok = modeling.load_policy(modeling.trained_model_config(cfg.teacher), train=False)
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, teacher)  # the teacher's width decides
     if dev == "cpu" and common.keep_freed_memory():  # each step's logits reuse the last step's pages
         print("memory: freed blocks kept for reuse (glibc)")

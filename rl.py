@@ -6,7 +6,7 @@ and deletes while it samples, and learns from group-relative rewards.
     python rl.py --config configs/drgrpo_v19.yaml --plan   # its VRAM plan per stage; loads nothing
 
 One step (DESIGN.md sections 4, 5, 7): G = `group_size` rollouts for each of
-`prompts_per_step` documents; rewards (`rewards.score_batch`, the curriculum of
+`prompts_per_step` documents; rewards (`rewards.Scorer`, the curriculum of
 tau advancing on the pass rate); advantages A = R - mean(R of the group), no
 std division (Dr. GRPO, Liu et al. 2025); mask validation; PPO-clip on every
 generated token of every branch, in the context it was sampled in, summed and
@@ -45,12 +45,12 @@ from tqdm import tqdm
 
 import rewards
 import sandbox
-from factual_tools import common, engine, evaluation, modeling, scoring, settings, vram
-from factual_tools.training import DataConfig, load_documents
+from factual_tools import common, engine, evaluation, modeling, scoring, settings, training, vram
+from factual_tools.training import DocumentData, load_documents
 
 
 @dataclass
-class EvalConfig:
+class RLEval:
     every: int = 25  # steps between held-out evaluations (0 = at the start and the end only)
     n_docs: int = 32  # held-out documents, greedy rollouts
     max_new_tokens: int = 160
@@ -77,14 +77,14 @@ class Config:
     runs_dir: str = "runs"
     init: str = ""  # start from this directory (an SFT run's final/): full weights (LoRA on top), or an adapter
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DocumentData = field(default_factory=DocumentData)
     sampling: engine.SamplingConfig = field(default_factory=engine.SamplingConfig)
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
     # Decode-time tool ban, as eval.py's `tools` (evaluation.TOOLS_BANNED): "none" keeps <search and
     # <delete out of every rollout and held-out episode (the tool-free control); the reward is unchanged
     tools: Literal["all", "no_search", "no_delete", "none"] = "all"
     reward: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: RLEval = field(default_factory=RLEval)
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     plan: PlanConfig = field(default_factory=PlanConfig)
     steps: int = 200  # RL steps (rollout batches)
@@ -166,11 +166,11 @@ def rank_seed(seed: int, rank: int) -> int:
 def episode_figures(ep: sandbox.Episode, result: dict) -> dict:
     """What a step's log needs of one rollout, small enough to gather from every rank:
     its reward terms, tool use, generated tokens and the sampler's log-probs summed."""
-    known = [x for t in ep.turns for x in (t.logprobs or []) if not math.isnan(x)]
+    known = [x for turn in ep.turns for x in (turn.logprobs or []) if not math.isnan(x)]
     terms = ("total", "pass", "factuality", "rules", "budget", "cap_penalty", "tool_match", "right_deletes")
     return {**{k: result[k] for k in terms if k in result},
             "n_search": ep.n_search, "n_delete": ep.n_delete, "valid": bool(ep.valid),
-            "tokens": sum(len(t.ids) for t in ep.turns), "nll": -sum(known), "n_lp": len(known)}
+            "tokens": sum(len(turn.ids) for turn in ep.turns), "nll": -sum(known), "n_lp": len(known)}
 
 
 def group_advantages(rewards_: Sequence[float], group_size: int) -> list[float]:
@@ -204,9 +204,9 @@ def turn_advantages(episodes: Sequence[sandbox.Episode], results: Sequence[dict]
         mean = sum(pooled) / len(pooled) if pooled else 0.0
         for i, st in zip(range(g, g + group_size), steps):
             ep, adv, k = episodes[i], [], 0
-            for t in ep.turns:
+            for turn in ep.turns:
                 c = 0.0
-                if mode == "turn" and t.call is not None:
+                if mode == "turn" and turn.call is not None:
                     c = credit * ((st[k] if k < len(st) else 0.0) - mean)
                     k += 1
                 adv.append((base[i], c))
@@ -221,14 +221,14 @@ def call_tag_starts(episodes: Sequence[sandbox.Episode], tokenizer) -> list[list
     out = []
     for ep in episodes:
         row = []
-        for t in ep.turns:
-            n = len(t.ids or [])
-            if t.call is None or not n:
+        for turn in ep.turns:
+            n = len(turn.ids or [])
+            if turn.call is None or not n:
                 row.append(n)
                 continue
-            _, bounds = sandbox.token_bounds(codec, t.ids)
+            _, bounds = sandbox.token_bounds(codec, turn.ids)
             # the last clean boundary at or before the tag's first character
-            row.append(max((k for k, off in bounds if off <= t.call.start), default=0))
+            row.append(max((k for k, off in bounds if off <= turn.call.start), default=0))
         out.append(row)
     return out
 
@@ -241,9 +241,9 @@ def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Seq
     `tag_starts` on (`call_tag_starts`; needed when any credit is not 0)."""
     out = []
     for e, (ep, adv) in enumerate(zip(episodes, turn_adv)):
-        for j, (t, a) in enumerate(zip(ep.turns, adv)):
+        for j, (turn, a) in enumerate(zip(ep.turns, adv)):
             a, c = (a if isinstance(a, tuple) else (a, 0.0))
-            n = len(t.ids)
+            n = len(turn.ids)
             if c:
                 if tag_starts is None:
                     raise ValueError("call credit needs tag_starts (rl.call_tag_starts)")
@@ -257,8 +257,8 @@ def token_advantages(episodes: Sequence[sandbox.Episode], turn_adv: Sequence[Seq
 def retracted_mask(episodes: Sequence[sandbox.Episode]) -> torch.Tensor:
     """(T,) True on every generated token that holds text a later delete retracted
     (`Turn.masked`), in the order of `flat` and `token_advantages`."""
-    return torch.tensor([j in masked for ep in episodes for t in ep.turns
-                         for masked in (set(t.masked or ()),) for j in range(len(t.ids))], dtype=torch.bool)
+    return torch.tensor([j in masked for ep in episodes for turn in ep.turns
+                         for masked in (set(turn.masked or ()),) for j in range(len(turn.ids))], dtype=torch.bool)
 
 
 def apply_retracted_credit(adv: torch.Tensor, retracted: torch.Tensor, mode: str) -> torch.Tensor:
@@ -272,14 +272,14 @@ def apply_retracted_credit(adv: torch.Tensor, retracted: torch.Tensor, mode: str
 
 def flat(per_turn: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor:
     """(T,) the per-episode, per-turn tensors of `episode_logprobs`, concatenated."""
-    parts = [t for ep in per_turn for t in ep if t is not None and t.numel()]
+    parts = [x for ep in per_turn for x in ep if x is not None and x.numel()]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def sampler_logprobs(episodes: Sequence[sandbox.Episode]) -> torch.Tensor:
     """(T,) the log-probs the sampler recorded (nan where it recorded none)."""
-    return torch.tensor([lp for ep in episodes for t in ep.turns
-                         for lp in (t.logprobs if t.logprobs is not None else [math.nan] * len(t.ids))],
+    return torch.tensor([lp for ep in episodes for turn in ep.turns
+                         for lp in (turn.logprobs if turn.logprobs is not None else [math.nan] * len(turn.ids))],
                         dtype=torch.float32)
 
 
@@ -326,16 +326,6 @@ def logprobs(model, episodes: Sequence[sandbox.Episode], cfg: Config, temperatur
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
-
-
-def load_model(cfg: Config):
-    """The policy from `init` (an adapter directory continues that adapter; full weights
-    get a fresh LoRA when model.lora.enabled), else model.name_or_path. With a KL term
-    (beta > 0) the init adapter is also the reference: the KL anchors on the starting
-    policy, not on the base model with the adapter disabled."""
-    return modeling.load_from_init(cfg.model, cfg.init, reference=cfg.beta > 0,
-                                   hint="run the SFT stage first (`python sft.py --config configs/sft_tiny.yaml` "
-                                        "for the tiny config)")
 
 
 def make_optimizer(cfg: Config, params):
@@ -443,7 +433,12 @@ def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
     run = common.start_run(cfg, dist)
     dev_type = common.device()
     common.seed_everything(cfg.seed)  # the same initial weights on every rank
-    model, tok = load_model(cfg)
+    # The policy from `init` (an adapter directory continues that adapter; full weights get a fresh
+    # LoRA when model.lora.enabled), else model.name_or_path. With a KL term the init adapter is also
+    # the reference: the KL anchors on the starting policy, not on the base model, adapter disabled.
+    model, tok = modeling.load_from_init(cfg.model, cfg.init, reference=cfg.beta > 0,
+                                         hint="run the SFT stage first (`python sft.py --config "
+                                              "configs/sft_tiny.yaml` for the tiny config)")
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev_type, model)
     if cfg.sampling.backend == "vllm" and not hasattr(model, "vllm_engine"):
         raise SystemExit("sampling.backend=vllm needs Unsloth's engine: model.backend=unsloth, "
@@ -462,118 +457,139 @@ def setup(cfg: Config, custom_reward: bool = False) -> Trainer:
         scorer.load_state_dict(state["scorer"])
         print(f"curriculum: tau {scorer.curriculum.tau}")
     samples = common.MetricsWriter(run.dir / "samples.jsonl") if dist.main else None
-    t = Trainer(cfg, dist, run, model, tok, lambda: common.autocast(bf16, dev_type, model), params, opt, sched,
-                scorer, gen, train_docs, eval_docs, teacher, ref_copy, samples, sandbox.Limits.make(**cfg.limits), step,
-                ban=evaluation.tool_processor(tok, cfg.tools))
-    if t.ban is not None:
+    trainer = Trainer(cfg=cfg, dist=dist, run=run, model=model, tok=tok,
+                      amp=lambda: common.autocast(bf16, dev_type, model), params=params, opt=opt, sched=sched,
+                      scorer=scorer, gen=gen, train_docs=train_docs, eval_docs=eval_docs, teacher=teacher,
+                      ref_copy=ref_copy, samples=samples, limits=sandbox.Limits.make(**cfg.limits), step=step,
+                      ban=evaluation.tool_processor(tok, cfg.tools))
+    if trainer.ban is not None:
         print(f"tools={cfg.tools}: {', '.join(evaluation.TOOLS_BANNED[cfg.tools])} banned at decode time "
               "(rollouts and held-out evaluation)")
     if cfg.eval.keep_best and not eval_docs:
         raise SystemExit("eval.keep_best needs held-out documents (data.split's eval pool or data.validation)")
-    if cfg.eval.keep_best and step == 0 and t.best_json.exists() and dist.main:
-        t.best_json.unlink()  # a new run in an old directory: the old best is not a candidate
-    return t
+    if cfg.eval.keep_best and step == 0 and trainer.best_json.exists() and dist.main:
+        trainer.best_json.unlink()  # a new run in an old directory: the old best is not a candidate
+    return trainer
 
 
-def sample(t: Trainer, documents, group: int, scfg: engine.SamplingConfig, generator=None) -> list[sandbox.Episode]:
+def sample(trainer: Trainer, documents, group: int, scfg: engine.SamplingConfig,
+           generator=None) -> list[sandbox.Episode]:
     """`group` rollouts of each document under the current weights."""
-    if t.vllm:
+    if trainer.vllm:
         # Unsloth's GRPO trainer refreshes vLLM the same way before each generation:
         # `model.load_lora(path, load_tensors=True)` builds a LoRARequest from the live
         # adapter tensors (unsloth_zoo.vllm_utils.load_lora; it writes only the adapter
         # config to `path`, once), passed on to `LLM.generate(..., lora_request=...)`.
-        lora_request = t.model.load_lora(str(t.run.dir / "vllm_lora"), load_tensors=True)
-        return engine.rollout_vllm(t.model.vllm_engine, t.tok, documents, group, scfg, t.limits,
+        lora_request = trainer.model.load_lora(str(trainer.run.dir / "vllm_lora"), load_tensors=True)
+        return engine.rollout_vllm(trainer.model.vllm_engine, trainer.tok, documents, group, scfg, trainer.limits,
                                     lora_request=lora_request)
-    ban = {"logits_processor": t.ban} if t.ban is not None else {}  # the tool ban (Config.tools) when set
-    with t.amp():
-        return engine.rollout(t.model, t.tok, documents, group, scfg, t.limits, generator=generator, **ban)
+    ban = {"logits_processor": trainer.ban} if trainer.ban is not None else {}  # the tool ban (Config.tools) when set
+    with trainer.amp():
+        return engine.rollout(trainer.model, trainer.tok, documents, group, scfg, trainer.limits, generator=generator,
+                              **ban)
 
 
-def evaluate(t: Trainer) -> dict:
+def evaluate(trainer: Trainer) -> dict:
     """The greedy held-out evaluation (evaluation.greedy_eval) under this run's sampler, tool ban and
     sandbox limits, scored by the configured reward (pass at the first tau, so evaluations compare across
     the curriculum); logged, and kept as best/ when `eval.keep_best` improved."""
-    cfg = t.cfg
+    cfg = trainer.cfg
     ecfg = evaluation.Config(reward=dataclasses.replace(cfg.reward, factuality=cfg.eval.factuality
                                                         or cfg.reward.factuality),
                              limits=cfg.limits, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed,
                              tools=cfg.tools)
     greedy = dataclasses.replace(cfg.sampling, temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens)
-    figures = evaluation.greedy_eval(t.model, t.tok, t.eval_docs, ecfg, generate=lambda docs: sample(
-        t, docs, 1, greedy, engine.make_generator(cfg.seed, t.model)))[0]
+    figures = evaluation.greedy_eval(trainer.model, trainer.tok, trainer.eval_docs, ecfg, generate=lambda docs: sample(
+        trainer, docs, 1, greedy, engine.make_generator(cfg.seed, trainer.model)))[0]
     out = {f"eval_{k}": v for k, v in figures.items()}
-    evaluation.log_eval(t.run, t.step, out)
+    evaluation.log_eval(trainer.run, trainer.step, out)
     if cfg.eval.keep_best:
-        keep_if_best(t, out)
+        keep_if_best(trainer, out)
     return out
 
 
-def keep_if_best(t: Trainer, out: dict) -> None:
+def keep_if_best(trainer: Trainer, out: dict) -> None:
     """Save the weights to best/ when `eval.keep_best` beats every earlier evaluation
     (the key is checked at step 0, which is never a candidate)."""
-    key = t.cfg.eval.keep_best
+    key = trainer.cfg.eval.keep_best
     if key not in out:
         raise SystemExit(f"eval.keep_best={key}: not an eval metric of this run ({', '.join(sorted(out))})")
-    prev = json.loads(t.best_json.read_text()) if t.best_json.exists() else None
+    prev = json.loads(trainer.best_json.read_text()) if trainer.best_json.exists() else None
     # NaN is no candidate; a resumed run re-evaluating a step keeps what was kept
-    if t.step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= t.step):
+    if trainer.step == 0 or not math.isfinite(out[key]) or (prev is not None and prev["step"] >= trainer.step):
         return
     if prev is None or out[key] > prev["value"]:
-        common.save_final(t.model, t.tok, t.run.dir / "best")
-        common.atomic_write_text(t.best_json, json.dumps({"metric": key, "value": out[key], "step": t.step}) + "\n")
+        common.save_final(trainer.model, trainer.tok, trainer.run.dir / "best")
+        best = {"metric": key, "value": out[key], "step": trainer.step}
+        common.atomic_write_text(trainer.best_json, json.dumps(best) + "\n")
 
 
-def rollout_step(t: Trainer) -> tuple[list, list[sandbox.Episode]]:
+def rollout_step(trainer: Trainer) -> tuple[list, list[sandbox.Episode]]:
     """This rank's share of the step's documents, each with its whole group of G rollouts."""
-    cfg = t.cfg
-    docs = t.dist.shard([t.train_docs[i] for i in step_documents(len(t.train_docs), cfg.prompts_per_step, cfg.seed,
-                                                                 t.step)])
-    scfg = dataclasses.replace(cfg.sampling, seed=rank_seed(cfg.sampling.seed, t.dist.rank) + 100_003 * t.step)
-    return docs, sample(t, docs, cfg.group_size, scfg, t.gen) if docs else []
+    cfg = trainer.cfg
+    chosen = step_documents(len(trainer.train_docs), cfg.prompts_per_step, cfg.seed, trainer.step)
+    docs = trainer.dist.shard([trainer.train_docs[i] for i in chosen])
+    seed = rank_seed(cfg.sampling.seed, trainer.dist.rank) + 100_003 * trainer.step
+    scfg = dataclasses.replace(cfg.sampling, seed=seed)
+    return docs, sample(trainer, docs, cfg.group_size, scfg, trainer.gen) if docs else []
 
 
-def score_step(t: Trainer, docs: list, eps: list[sandbox.Episode], reward_fn=None) -> tuple[list, list, list]:
+def score_step(trainer: Trainer, docs: list, eps: list[sandbox.Episode], reward_fn=None) -> tuple[list, list, list]:
     """(rewards of this rank's rollouts, every rank's per-rollout figures in rank order, turn advantages).
     The curriculum and the logged means see the whole step, and the loss its global rollout count."""
-    G = t.cfg.group_size
+    G = trainer.cfg.group_size
     docs_rep = [d for d in docs for _ in range(G)]
     if not eps:  # more ranks than the step's documents: this one only joins the collectives
         results = []
     elif reward_fn is not None:
         results = reward_fn(docs_rep, eps)
     else:
-        results = t.scorer.score_batch(list(zip(docs_rep, eps)), teacher=t.teacher)
+        results = trainer.scorer.score_batch(list(zip(docs_rep, eps)), teacher=trainer.teacher)
     bad = [(d.id, r.get("total")) for d, r in zip(docs_rep, results) if not math.isfinite(r.get("total", math.nan))]
     if bad:
-        raise FloatingPointError(f"step {t.step + 1}: non-finite reward for documents {bad[:4]}")
-    step_eps = [x for part in t.dist.gather([episode_figures(ep, r) for ep, r in zip(eps, results)]) for x in part]
-    if all("pass" in f for f in step_eps):
-        t.scorer.curriculum.update([bool(f["pass"]) for f in step_eps])
-    turn_adv = turn_advantages(eps, results, G, t.cfg.advantage, t.cfg.turn_credit, t.cfg.reward.tools.w_match)
-    return results, step_eps, turn_adv
+        raise FloatingPointError(f"step {trainer.step + 1}: non-finite reward for documents {bad[:4]}")
+    mine = [episode_figures(ep, r) for ep, r in zip(eps, results)]
+    step_figures = [x for part in trainer.dist.gather(mine) for x in part]
+    if all("pass" in f for f in step_figures):
+        trainer.scorer.curriculum.update([bool(f["pass"]) for f in step_figures])
+    cfg = trainer.cfg
+    turn_adv = turn_advantages(eps, results, G, cfg.advantage, cfg.turn_credit, cfg.reward.tools.w_match)
+    return results, step_figures, turn_adv
 
 
-def update_batches(t: Trainer, eps: list[sandbox.Episode], turn_adv: list) -> list[dict]:
+@dataclass
+class MicroBatch:
+    """One forward and backward pass of the update: whole groups, or consecutive rollouts of
+    one group (`rl.micro_batches`), with one entry per generated token in `flat`'s order."""
+    episodes: list[sandbox.Episode]
+    advantages: torch.Tensor  # (T,)
+    sampler_logprobs: torch.Tensor  # (T,) what the sampler recorded, nan where it recorded none
+    group: int  # rollouts per group tree when scored as groups
+    ref_logprobs: torch.Tensor | None = None  # (T,) the reference policy's, when beta > 0
+    old_logprobs: torch.Tensor | None = None  # (T,) the ratio's denominator, set by the update's first pass
+
+
+def update_batches(trainer: Trainer, eps: list[sandbox.Episode], turn_adv: list) -> list[MicroBatch]:
     """The step's micro-batches of whole groups, with token advantages, the sampler's log-probs and,
     when beta > 0, the reference's. Groups whose every advantage is 0 are left out when beta == 0."""
-    cfg, G = t.cfg, t.cfg.group_size
-    scoring.validate_masks(eps, t.tok)  # every rollout, before every update
+    cfg, G = trainer.cfg, trainer.cfg.group_size
+    scoring.validate_masks(eps, trainer.tok)  # every rollout, before every update
     keep = [i for g in range(0, len(eps), G)  # whole groups: a group tree needs all its rollouts
             if cfg.beta > 0 or any(x != 0 for a in turn_adv[g:g + G] for pair in a for x in pair)
             for i in range(g, g + G)]
-    dev = next(t.model.parameters()).device
+    dev = next(trainer.model.parameters()).device
     batches = []
     for idx, group in micro_batches(cfg, eps, keep):
         mb = [eps[i] for i in idx]
-        adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, t.tok))
+        adv = token_advantages(mb, [turn_adv[i] for i in idx], call_tag_starts(mb, trainer.tok))
         adv = apply_retracted_credit(adv, retracted_mask(mb), cfg.retracted_credit)
-        b = {"eps": mb, "adv": adv.to(dev), "sampler": sampler_logprobs(mb).to(dev), "old": None, "ref": None,
-             "group": group}
+        b = MicroBatch(mb, adv.to(dev), sampler_logprobs(mb).to(dev), group)
         if cfg.beta > 0:
-            t.model.eval()
-            with torch.no_grad(), t.amp(), modeling.reference_model(t.model) if t.lora else contextlib.nullcontext():
-                b["ref"] = logprobs(t.model if t.lora else t.ref_copy, mb, cfg, t.temperature, group)
+            trainer.model.eval()
+            reference = modeling.reference_model(trainer.model) if trainer.lora else contextlib.nullcontext()
+            with torch.no_grad(), trainer.amp(), reference:
+                b.ref_logprobs = logprobs(trainer.model if trainer.lora else trainer.ref_copy, mb, cfg,
+                                          trainer.temperature, group)
         batches.append(b)
     return batches
 
@@ -619,145 +635,147 @@ def tree_parts(group: list[sandbox.Episode], max_nodes: int) -> list[int]:
     return parts
 
 
-def update(t: Trainer, batches: list[dict], n_rollouts: int) -> dict:
+def update(trainer: Trainer, batches: list[MicroBatch], n_rollouts: int) -> dict:
     """mu optimizer steps over the step's batches; returns the KL and clip sums, the sampler gap and the
     gradient norm. Aborts before updating on a non-finite loss or norm, or an off-policy gap."""
-    cfg = t.cfg
-    t.model.train()
-    kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, torch.tensor(0.0)
+    cfg = trainer.cfg
+    trainer.model.train()
+    kl_sum, clip_n, gap_sum, gap_n, norm = 0.0, 0, 0.0, 0, 0.0
     for epoch in range(cfg.mu):
         for b in batches:
-            with t.amp():
-                logp = logprobs(t.model, b["eps"], cfg, t.temperature, b["group"])
+            with trainer.amp():
+                logp = logprobs(trainer.model, b.episodes, cfg, trainer.temperature, b.group)
             if epoch == 0:
                 # Old log-probs: the sampler's own when it is this model and mu == 1; else
                 # this first pass's, detached (the same function and weights, before any update).
-                b["old"] = logp.detach() if cfg.mu > 1 or t.vllm else b["sampler"]
-                ok = ~torch.isnan(b["sampler"])
-                gap_sum += (logp.detach()[ok] - b["sampler"][ok]).abs().sum().item()
+                b.old_logprobs = logp.detach() if cfg.mu > 1 or trainer.vllm else b.sampler_logprobs
+                ok = ~torch.isnan(b.sampler_logprobs)
+                gap_sum += (logp.detach()[ok] - b.sampler_logprobs[ok]).abs().sum().item()
                 gap_n += int(ok.sum())
             is_w = None
-            if t.vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
-                is_w = torch.exp(b["old"] - b["sampler"]).clamp(max=cfg.tis_cap).nan_to_num(1.0)
+            if trainer.vllm:  # truncated IS; tokens the sampler gave no log-prob for keep weight 1
+                is_w = torch.exp(b.old_logprobs - b.sampler_logprobs).clamp(max=cfg.tis_cap).nan_to_num(1.0)
             # Dr. GRPO: one constant for every token of the step (every rank's rollouts),
             # whatever its sequence's length
-            loss, kl, clipped = dr_grpo_loss(logp, b["old"], b["adv"], n_rollouts, cfg.sampling.max_new_tokens,
-                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=b["ref"],
-                                             beta=cfg.beta, is_weight=is_w)
+            loss, kl, clipped = dr_grpo_loss(logp, b.old_logprobs, b.advantages, n_rollouts,
+                                             cfg.sampling.max_new_tokens, clip_low=cfg.clip_low,
+                                             clip_high=cfg.clip_high, ref_logp=b.ref_logprobs, beta=cfg.beta,
+                                             is_weight=is_w)
             if not torch.isfinite(loss):
-                names = list(dict.fromkeys(e.doc_id for e in b["eps"]))[:4]
-                raise FloatingPointError(f"step {t.step + 1}: loss is {loss.item()} (documents {names}); "
+                names = list(dict.fromkeys(e.doc_id for e in b.episodes))[:4]
+                raise FloatingPointError(f"step {trainer.step + 1}: loss is {loss.item()} (documents {names}); "
                                          "aborting before the update")
             loss.backward()
             if epoch == cfg.mu - 1:
                 kl_sum += kl.sum().item() if kl is not None else 0.0
                 clip_n += int(clipped.sum())
-        if epoch == 0 and t.dist.world > 1:  # the whole step's gap, so every rank stops or none does
-            gap_sum, gap_n = map(sum, zip(*t.dist.gather((gap_sum, gap_n))))
+        if epoch == 0 and trainer.dist.world > 1:  # the whole step's gap, so every rank stops or none does
+            gap_sum, gap_n = map(sum, zip(*trainer.dist.gather((gap_sum, gap_n))))
         gap = gap_sum / gap_n if gap_n else math.nan
         if epoch == 0 and gap_n and gap > cfg.max_logprob_gap:
-            raise RuntimeError(f"step {t.step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
+            raise RuntimeError(f"step {trainer.step + 1}: trainer and sampler log-probs differ by {gap:.3f} nats per "
                                f"token (max_logprob_gap={cfg.max_logprob_gap}): the update would not be "
                                "on-policy. Check dropout, the chat template, and that the model returns the "
                                "logits asked for. Nothing was updated.")
-        t.dist.reduce_grads(t.params)  # every rank now holds the whole step's gradient
-        norm = torch.nn.utils.clip_grad_norm_(t.params, cfg.max_grad_norm)
-        if not torch.isfinite(norm):
-            raise FloatingPointError(f"step {t.step + 1}: gradient norm is {norm.item()}; aborting before the update")
-        t.opt.step()
-        t.opt.zero_grad(set_to_none=True)
-    return {"kl_sum": kl_sum, "clip_n": clip_n, "gap": gap, "grad_norm": norm.item()}
+        norm = training.apply_gradients(trainer.params, trainer.opt, max_grad_norm=cfg.max_grad_norm,
+                                        step=trainer.step, dist=trainer.dist)
+    return {"kl_sum": kl_sum, "clip_n": clip_n, "gap": gap, "grad_norm": norm}
 
 
-def step_fields(t: Trainer, step_eps: list[dict], batches: list[dict], upd: dict, times: Sequence[float]) -> dict:
+def step_fields(trainer: Trainer, step_figures: list[dict], batches: list[MicroBatch], upd: dict,
+                times: Sequence[float]) -> dict:
     """The step's log line: reward terms, tool use, KL, clip share, entropy, the sampler gap, timings
     (`times`: the step's start and the ends of rollout, scoring and update)."""
     t0, t1, t2, t3 = times
-    mine = (sum(len(b["adv"]) for b in batches), upd["kl_sum"], upd["clip_n"])
-    scored, kl_sum, clip_n = map(sum, zip(*t.dist.gather(mine)))  # the whole step's, every rank's
-    n_eps, tokens = len(step_eps), sum(f["tokens"] for f in step_eps)
-    n_lp = sum(f["n_lp"] for f in step_eps)
+    mine = (sum(len(b.advantages) for b in batches), upd["kl_sum"], upd["clip_n"])
+    scored, kl_sum, clip_n = map(sum, zip(*trainer.dist.gather(mine)))  # the whole step's, every rank's
+    n_eps, tokens = len(step_figures), sum(f["tokens"] for f in step_figures)
+    n_lp = sum(f["n_lp"] for f in step_figures)
     return {
-        **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+        **{k: common.mean(f.get(key) for f in step_figures) for k, key in (
             ("reward", "total"), ("pass", "pass"))},
-        "tau": t.scorer.curriculum.tau,
-        **{k: common.mean(f.get(key) for f in step_eps) for k, key in (
+        "tau": trainer.scorer.curriculum.tau,
+        **{k: common.mean(f.get(key) for f in step_figures) for k, key in (
             ("fact", "factuality"), ("rules", "rules"), ("budget", "budget"), ("cap", "cap_penalty"),
             ("match", "tool_match"), ("right_del", "right_deletes"))},
-        "kl": kl_sum / max(1, scored) if t.cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
+        "kl": kl_sum / max(1, scored) if trainer.cfg.beta > 0 else math.nan, "clip": clip_n / max(1, scored),
         # entropy: estimated as the mean negative log-prob of the sampled tokens
-        "entropy": sum(f["nll"] for f in step_eps) / n_lp if n_lp else math.nan,
-        "len": tokens / n_eps, "search": sum(f["n_search"] for f in step_eps) / n_eps,
-        "delete": sum(f["n_delete"] for f in step_eps) / n_eps, "valid": sum(f["valid"] for f in step_eps) / n_eps,
-        "gap": upd["gap"], "grad_norm": upd["grad_norm"], "lr": t.sched.get_last_lr()[0],
+        "entropy": sum(f["nll"] for f in step_figures) / n_lp if n_lp else math.nan,
+        "len": tokens / n_eps, "search": sum(f["n_search"] for f in step_figures) / n_eps,
+        "delete": sum(f["n_delete"] for f in step_figures) / n_eps,
+        "valid": sum(f["valid"] for f in step_figures) / n_eps,
+        "gap": upd["gap"], "grad_norm": upd["grad_norm"], "lr": trainer.sched.get_last_lr()[0],
         "rollout_s": t1 - t0, "reward_s": t2 - t1, "update_s": t3 - t2, "tok_s": tokens / (t3 - t0),
     }
 
 
-def write_samples(t: Trainer, eps: list[sandbox.Episode], results: list[dict]) -> None:
+def write_samples(trainer: Trainer, eps: list[sandbox.Episode], results: list[dict]) -> None:
     """samples.jsonl: the first `eval.n_samples` rollouts of the step with their reward terms."""
-    for ep, r in list(zip(eps, results))[:t.cfg.eval.n_samples]:
-        t.samples.write(step=t.step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
+    for ep, r in list(zip(eps, results))[:trainer.cfg.eval.n_samples]:
+        trainer.samples.write(step=trainer.step, doc_id=ep.doc_id, reward={k: v for k, v in r.items()
                                                                if isinstance(v, (int, float, bool))},
                         summary=ep.summary, text=ep.text, n_search=ep.n_search, n_delete=ep.n_delete)
 
 
-def finish(t: Trainer, history: list[dict], last_eval: dict) -> dict:
+def finish(trainer: Trainer, history: list[dict], last_eval: dict) -> dict:
     """Rank 0 evaluates and saves final/ (the best evaluated step's weights with `eval.keep_best`);
     the other ranks wait in close_distributed."""
-    final = t.run.dir / "final"
-    if t.dist.main:
-        if t.eval_docs:
-            last_eval = evaluate(t)
-        if t.cfg.eval.keep_best and t.best_json.exists():
-            best = json.loads(t.best_json.read_text())
+    final = trainer.run.dir / "final"
+    if trainer.dist.main:
+        if trainer.eval_docs:
+            last_eval = evaluate(trainer)
+        if trainer.cfg.eval.keep_best and trainer.best_json.exists():
+            best = json.loads(trainer.best_json.read_text())
             with common.atomic_dir(final) as tmp:
-                shutil.copytree(t.run.dir / "best", tmp, dirs_exist_ok=True)
+                shutil.copytree(trainer.run.dir / "best", tmp, dirs_exist_ok=True)
             print(f"final: the weights of step {best['step']} ({best['metric']} {best['value']:.4g}, the best "
                   "evaluated)")
         else:
-            common.save_final(t.model, t.tok, final)
+            common.save_final(trainer.model, trainer.tok, final)
     if history:
         first, last = history[0], history[-1]
         print(f"done: reward {first['reward']:.3f} -> {last['reward']:.3f}, pass {first['pass']:.3f} -> "
               f"{last['pass']:.3f} (training batches); model saved to {final}")
-    t.run.finish()
-    common.close_distributed(t.dist)
-    return {"history": history, "eval": last_eval, "step": t.step}
+    trainer.run.finish()
+    common.close_distributed(trainer.dist)
+    return {"history": history, "eval": last_eval, "step": trainer.step}
 
 
 def main(cfg: Config, reward_fn: Callable[[list, list], list[dict]] | None = None) -> dict:
     """Train; returns {"history": per-step metrics, "eval": the last held-out evaluation, "step"}.
-    `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces `rewards.score_batch`."""
-    t = setup(cfg, custom_reward=reward_fn is not None)
+    `reward_fn(documents, episodes) -> [{"total": ..., ...}]` replaces the configured reward."""
+    trainer = setup(cfg, custom_reward=reward_fn is not None)
     history, last_eval = [], {}
-    if t.step == 0 and t.eval_docs and t.dist.main:  # rank 0 evaluates; the others wait at the next collective
-        last_eval = evaluate(t)
-    bar = tqdm(total=cfg.steps, initial=t.step, desc="rl", unit="step", dynamic_ncols=True, disable=not t.dist.main)
-    while t.step < cfg.steps:
+    if trainer.step == 0 and trainer.eval_docs and trainer.dist.main:  # the other ranks wait at the next collective
+        last_eval = evaluate(trainer)
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="rl", unit="step", dynamic_ncols=True,
+               disable=not trainer.dist.main)
+    while trainer.step < cfg.steps:
         t0 = time.perf_counter()
-        docs, eps = rollout_step(t)
+        docs, eps = rollout_step(trainer)  # G rollouts of each document, the sandbox in the loop
         t1 = time.perf_counter()
-        results, step_eps, turn_adv = score_step(t, docs, eps, reward_fn)
+        results, step_figures, turn_adv = score_step(trainer, docs, eps, reward_fn)  # rewards, group advantages
         t2 = time.perf_counter()
-        batches = update_batches(t, eps, turn_adv)
-        upd = update(t, batches, len(step_eps))
+        batches = update_batches(trainer, eps, turn_adv)  # token advantages, the reference's log-probs
+        upd = update(trainer, batches, len(step_figures))  # the loss, backward(), the optimizer's step()
         t3 = time.perf_counter()
-        fields = step_fields(t, step_eps, batches, upd, (t0, t1, t2, t3))  # the lr this step used
-        t.sched.step()
-        t.step += 1
+        fields = step_fields(trainer, step_figures, batches, upd, (t0, t1, t2, t3))  # the lr this step used
+        trainer.sched.step()
+        trainer.step += 1
         bar.update(1)
-        t.run.log(t.step, cfg.steps, fields, t3 - t0)
+        trainer.run.log(trainer.step, cfg.steps, fields, t3 - t0)
         history.append(fields)
-        if cfg.eval.sample_every and t.step % cfg.eval.sample_every == 0 and t.samples is not None:
-            write_samples(t, eps, results)
-        if cfg.eval.every and t.step % cfg.eval.every == 0 and t.step < cfg.steps and t.eval_docs and t.dist.main:
-            last_eval = evaluate(t)
-        if cfg.save_every and (t.step % cfg.save_every == 0 or t.step == cfg.steps):
-            common.save_checkpoint(t.run.dir, t.step, t.model, t.opt, t.sched, state={"scorer": t.scorer.state_dict()},
-                                   generators={"sample": t.gen}, keep=cfg.keep_checkpoints, dist=t.dist)
+        if cfg.eval.sample_every and trainer.step % cfg.eval.sample_every == 0 and trainer.samples is not None:
+            write_samples(trainer, eps, results)
+        if (cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.steps and trainer.eval_docs
+                and trainer.dist.main):
+            last_eval = evaluate(trainer)
+        if cfg.save_every and (trainer.step % cfg.save_every == 0 or trainer.step == cfg.steps):
+            common.save_checkpoint(trainer.run.dir, trainer.step, trainer.model, trainer.opt, trainer.sched,
+                                   state={"scorer": trainer.scorer.state_dict()}, generators={"sample": trainer.gen},
+                                   keep=cfg.keep_checkpoints, dist=trainer.dist)
     bar.close()
-    return finish(t, history, last_eval)
+    return finish(trainer, history, last_eval)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -44,7 +44,7 @@ from factual_tools.training import EpochBatches, n_generated, optimizer_step, se
 
 
 @dataclass
-class DataConfig:
+class SFTData:
     train: str = "out/corpus/newsworld/train.jsonl"  # Episode JSONL (filter_traces.py output)
     eval: str = "out/corpus/newsworld/eval.jsonl"  # held-out episodes: eval loss, and their documents for sampling
     docs: str = ""  # Document JSONL with fact tables (needed for the oracle factuality backend)
@@ -65,7 +65,7 @@ class DataConfig:
 
 
 @dataclass
-class EvalConfig:
+class SFTEval:
     every: int = 50  # optimizer steps between eval-loss passes (0 = only at the end)
     sample_every: int = 0  # steps between sampled held-out generations (0 = only at the end)
     n_docs: int = 32  # held-out documents sampled
@@ -114,8 +114,8 @@ class Config:
     log: common.LogConfig = field(default_factory=common.LogConfig)  # TensorBoard / W&B besides metrics.jsonl
     init: str = ""  # start from this directory (a previous run's final/): weights, or an adapter
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    data: SFTData = field(default_factory=SFTData)
+    eval: SFTEval = field(default_factory=SFTEval)
     rejection: RejectionConfig = field(default_factory=RejectionConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
@@ -184,7 +184,7 @@ class Config:
 # ---------------------------------------------------------------------------
 
 
-def episode_logps(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
+def episode_logprob_sums(model, episodes, max_batch_tokens: int = 16384, method: str = "tree") -> torch.Tensor:
     """(B,) log p(episode): the sum over its generated ids under the contexts they were
     generated in (branch-exact, as SFT scores them)."""
     lps = scoring.episode_logprobs(model, episodes, method=method, max_batch_tokens=max_batch_tokens)
@@ -214,15 +214,15 @@ def kto_step_loss(model, ref_copy, episodes: list, labels: dict, cfg: Config, n_
     """A micro-batch's share of the step's mean KTO loss (`n_step` episodes in the step).
     The reference: `ref_copy` (a full fine-tune), else the model under
     `modeling.reference_model` (the starting adapter, or the base with a fresh one)."""
-    policy = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
+    policy = episode_logprob_sums(model, episodes, cfg.max_batch_tokens, cfg.score_method)
     with torch.no_grad():
         was = model.training
         model.eval()
         if ref_copy is not None:
-            reference = episode_logps(ref_copy, episodes, cfg.max_batch_tokens, cfg.score_method)
+            reference = episode_logprob_sums(ref_copy, episodes, cfg.max_batch_tokens, cfg.score_method)
         else:
             with modeling.reference_model(model):
-                reference = episode_logps(model, episodes, cfg.max_batch_tokens, cfg.score_method)
+                reference = episode_logprob_sums(model, episodes, cfg.max_batch_tokens, cfg.score_method)
         model.train(was)
     desirable = torch.tensor([labels[id(e)] for e in episodes], device=policy.device)
     losses, _ = kto_loss(policy, reference, desirable, cfg.kto.beta, cfg.kto.desirable_weight,
@@ -308,11 +308,6 @@ def summary_episode(document: str, summary: str, doc_id: str | None) -> sandbox.
     return ep
 
 
-def clean_episode(doc) -> sandbox.Episode:
-    """A tool-free episode whose one turn is the document's reference summary."""
-    return summary_episode(doc.text, doc.summary, doc.id)
-
-
 def strip_tools(episodes) -> tuple[list[sandbox.Episode], int]:
     """Each trace as a tool-free episode whose one turn is its final summary (`ep.summary`:
     no tool call, no results, no retracted text), on the same document, doc_id and meta:
@@ -348,7 +343,7 @@ class WorldStream:
     those `guard` finds in a held-out cluster. A document depends only on (seed,
     index), so the cursor is the micro-batch index and a resumed run sees the same data."""
 
-    def __init__(self, cfg: DataConfig, batch: int, guard=None):
+    def __init__(self, cfg: SFTData, batch: int, guard=None):
         self.cfg, self.batch, self.guard = cfg, batch, guard
         self.skipped: set[str] = set()
 
@@ -361,10 +356,10 @@ class WorldStream:
         return out
 
     def episodes(self, m: int, tokenizer) -> list[sandbox.Episode]:
-        return [clean_episode(d).tokenized(tokenizer) for d in self.documents(m)]
+        return [summary_episode(d.text, d.summary, d.id).tokenized(tokenizer) for d in self.documents(m)]
 
 
-def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[sandbox.Episode], list]:
+def base_data(cfg: SFTData, tokenizer, n_eval: int) -> tuple[object, list[sandbox.Episode], list]:
     """(guard, held-out episodes, held-out documents) of the base stage: the eval pool
     of `cfg.split` over `cfg.docs` (their reference summaries give the eval loss), and
     a guard holding its eval and never-touch pools."""
@@ -382,7 +377,7 @@ def base_data(cfg: DataConfig, tokenizer, n_eval: int) -> tuple[object, list[san
         evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]
     except (data.DataError, data.LeakError) as e:
         raise SystemExit(f"error: {e}") from None
-    return guard, [clean_episode(d).tokenized(tokenizer) for d in evals], evals
+    return guard, [summary_episode(d.text, d.summary, d.id).tokenized(tokenizer) for d in evals], evals
 
 
 def mix_rejection(base: list, passed: list, ratio: float, seed: int = 0) -> list:
@@ -401,7 +396,7 @@ def mix_rejection(base: list, passed: list, ratio: float, seed: int = 0) -> list
 
 def passing(episodes: list, docs: list, reward: rewards.RewardConfig) -> list:
     """The episodes that are valid and pass the reward (scored against `docs`, one per episode)."""
-    scores = rewards.score_batch(list(zip(docs, episodes)), reward)
+    scores = rewards.Scorer(reward).score_batch(list(zip(docs, episodes)))
     return [e for e, s in zip(episodes, scores) if s["pass"] and e.valid]
 
 
@@ -463,12 +458,76 @@ def teacher_corpus(episodes: list, cfg: Config) -> list[sandbox.Episode]:
 # ---------------------------------------------------------------------------
 
 
-def load_model(cfg: Config):
-    """The model from `init` (an adapter is continued, full weights get a fresh LoRA when
-    model.lora.enabled), else model.name_or_path; for KTO the starting adapter is also the
-    reference (as in rl.py)."""
-    return modeling.load_from_init(cfg.model, cfg.init, reference=cfg.mode == "kto",
-                                   hint="train it first, or set init to a previous run's final/")
+def episode_corpus(cfg: Config, tok) -> tuple[list, list, list, WorldStream | None]:
+    """(training episodes, held-out episodes, held-out documents, the base stage's stream or None):
+    a stream of generated news-world documents (`data.generate`, the base stage) or the episode
+    files `data.train` and `data.eval`, tokenised; tools stripped with `data.strip_tools`."""
+    if cfg.data.generate:
+        if cfg.mode != "sft":
+            raise SystemExit(f"data.generate (the base stage) trains mode=sft, not mode={cfg.mode}")
+        guard, held_eps, docs = base_data(cfg.data, tok, max(cfg.eval.n_docs, 64))
+        docs = docs[:cfg.eval.n_docs]
+        stream = WorldStream(cfg.data, cfg.batch_episodes, guard)
+        print(f"data: a stream of {cfg.data.generate} generated news-world documents (world {cfg.data.world_seed})"
+              + (f", held-out clusters of {cfg.data.split} kept out" if guard else "")
+              + f"; {len(held_eps)} eval episodes, {len(docs)} held-out documents")
+        return stream.episodes(0, tok), held_eps, docs, stream
+    raw = sandbox.read_episodes(cfg.data.train)
+    if cfg.data.limit:
+        raw = raw[:cfg.data.limit]
+    if not raw:
+        raise SystemExit(f"{cfg.data.train}: no training episodes")
+    held = sandbox.read_episodes(cfg.data.eval) if cfg.data.eval and Path(cfg.data.eval).exists() else []
+    if cfg.data.strip_tools:
+        raw, held = stripped_corpus(raw, held, tok, cfg.mask_retracted)
+        if not raw:
+            raise SystemExit(f"{cfg.data.train}: every final summary is empty; nothing to train on stripped")
+    train, skipped = tokenize_episodes(raw, tok, cfg.data.max_tokens)
+    held_eps, _ = tokenize_episodes(held, tok, cfg.data.max_tokens)
+    docs = held_out_documents(held, cfg.data.docs, cfg.eval.n_docs)
+    print(f"data: {len(train)} training episodes ({skipped} over {cfg.data.max_tokens} tokens skipped), "
+          f"{len(held_eps)} eval episodes, {len(docs)} held-out documents")
+    return train, held_eps, docs, None
+
+
+def mode_corpus(cfg: Config, train: list, model, tok, *, dist, amp, limits, generator) -> list:
+    """What `mode` trains on: the corpus (sft, kto), the policy's own passing rollouts beside it
+    (rejection: each rank samples its share of the documents), the teacher's episodes (teacher)."""
+    if cfg.mode == "rejection":
+        with amp():
+            mine = rejection_corpus(model, tok, dist.shard(train), cfg, limits, generator)
+        passed = [e for part in dist.gather(mine) for e in part]
+        return tokenize_episodes(passed, tok, cfg.data.max_tokens)[0]
+    if cfg.mode == "teacher":
+        return teacher_corpus(train, cfg)
+    return train
+
+
+def kto_setup(cfg: Config, train: list, model) -> tuple[dict, Any]:
+    """(desirable or not, by episode id; the frozen reference of a full fine-tune, else None: an
+    adapter's reference is the starting adapter, loaded beside it)."""
+    desirable = kto_labels(train, cfg)
+    n_d = sum(desirable)
+    print(f"kto: {n_d} desirable, {len(train) - n_d} undesirable episodes (valid and passing the reward or not)")
+    if n_d in (0, len(train)):
+        print("kto: warning: one class only; KTO then pushes every episode the same way")
+    ref_copy = modeling.frozen_copy(model) if not getattr(model, "peft_config", None) else None
+    return {id(e): d for e, d in zip(train, desirable)}, ref_copy
+
+
+def kto_emission_baseline(cfg: Config, state: dict, model, tok, docs: list, amp) -> tuple[float | None, dict]:
+    """The KTO guard's baseline: the summary emission of the policy before KTO, kept in checkpoints
+    so a resumed run compares alike; (None, state) when the guard is off."""
+    if cfg.mode != "kto" or not cfg.kto.min_emission_ratio or not docs:
+        return None, state
+    emission0 = state.get("kto_emission0")
+    if emission0 is None:  # (KTO runs as one process)
+        with amp():
+            emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
+        model.train()
+    print(f"kto: summary emission before training {emission0:.3f}; early stop below "
+          f"{cfg.kto.min_emission_ratio * emission0:.3f}")
+    return emission0, {"kto_emission0": emission0}
 
 
 def main(cfg: Config) -> dict:
@@ -479,91 +538,29 @@ def main(cfg: Config) -> dict:
     run = common.start_run(cfg, dist)
     dev = common.device()
     common.seed_everything(cfg.seed)
-    model, tok = load_model(cfg)
+    # the model from `init` (an adapter is continued, full weights get a fresh LoRA when
+    # model.lora.enabled), else model.name_or_path; for KTO the starting adapter is also the reference
+    model, tok = modeling.load_from_init(cfg.model, cfg.init, reference=cfg.mode == "kto",
+                                         hint="train it first, or set init to a previous run's final/")
     bf16 = common.setup_compute(cfg.torch_threads, cfg.autocast, dev, model)
     amp = lambda: common.autocast(bf16, dev, model)  # noqa: E731  (entered per step: see common.autocast)
-    limits = sandbox.Limits.make(**cfg.limits)
     gen = engine.make_generator(cfg.seed, model)
-
-    stream = None
-    if cfg.data.generate:
-        if cfg.mode != "sft":
-            raise SystemExit(f"data.generate (the base stage) trains mode=sft, not mode={cfg.mode}")
-        guard, held_eps, docs = base_data(cfg.data, tok, max(cfg.eval.n_docs, 64))
-        docs = docs[:cfg.eval.n_docs]
-        stream = WorldStream(cfg.data, cfg.batch_episodes, guard)
-        train = stream.episodes(0, tok)
-        print(f"data: a stream of {cfg.data.generate} generated news-world documents (world {cfg.data.world_seed})"
-              + (f", held-out clusters of {cfg.data.split} kept out" if guard else "")
-              + f"; {len(held_eps)} eval episodes, {len(docs)} held-out documents")
-    else:
-        raw = sandbox.read_episodes(cfg.data.train)
-        if cfg.data.limit:
-            raw = raw[:cfg.data.limit]
-        if not raw:
-            raise SystemExit(f"{cfg.data.train}: no training episodes")
-        held = sandbox.read_episodes(cfg.data.eval) if cfg.data.eval and Path(cfg.data.eval).exists() else []
-        if cfg.data.strip_tools:
-            raw, held = stripped_corpus(raw, held, tok, cfg.mask_retracted)
-            if not raw:
-                raise SystemExit(f"{cfg.data.train}: every final summary is empty; nothing to train on stripped")
-        train, skipped = tokenize_episodes(raw, tok, cfg.data.max_tokens)
-        held_eps, _ = tokenize_episodes(held, tok, cfg.data.max_tokens)
-        docs = held_out_documents(held, cfg.data.docs, cfg.eval.n_docs)
-        print(f"data: {len(train)} training episodes ({skipped} over {cfg.data.max_tokens} tokens skipped), "
-              f"{len(held_eps)} eval episodes, {len(docs)} held-out documents")
-    if cfg.mode == "rejection":  # each rank samples its share of the documents
-        with amp():
-            passed = [e for part in dist.gather(rejection_corpus(model, tok, dist.shard(train), cfg, limits, gen))
-                      for e in part]
-        train, _ = tokenize_episodes(passed, tok, cfg.data.max_tokens)
-    elif cfg.mode == "teacher":
-        train = teacher_corpus(train, cfg)
-    ref_copy, labels, emission0 = None, {}, None
-    if cfg.mode == "kto":
-        desirable = kto_labels(train, cfg)
-        labels = {id(e): d for e, d in zip(train, desirable)}
-        n_d = sum(desirable)
-        print(f"kto: {n_d} desirable, {len(train) - n_d} undesirable episodes (valid and passing the reward or not)")
-        if n_d in (0, len(train)):
-            print("kto: warning: one class only; KTO then pushes every episode the same way")
-        if not getattr(model, "peft_config", None):  # a full fine-tune's reference: its starting weights
-            ref_copy = modeling.frozen_copy(model)
+    train, held_eps, docs, stream = episode_corpus(cfg, tok)
+    train = mode_corpus(cfg, train, model, tok, dist=dist, amp=amp, limits=sandbox.Limits.make(**cfg.limits),
+                        generator=gen)
+    labels, ref_copy = kto_setup(cfg, train, model) if cfg.mode == "kto" else ({}, None)
     checked = scoring.validate_masks(train, tok, cfg.mask_check, cfg.seed, cfg.mask_retracted)
     print(f"mask validation: {checked} episodes, every trained position is assistant text")
 
-    lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]
-    n_items = cfg.data.generate if stream else len(train)
-    per_epoch = math.ceil(n_items / cfg.batch_episodes)
-    total_micro = max(1, round(cfg.epochs * per_epoch))
-    total_steps = max(1, total_micro // cfg.grad_accum)
+    per_epoch = math.ceil((cfg.data.generate if stream else len(train)) / cfg.batch_episodes)
+    total_steps = max(1, max(1, round(cfg.epochs * per_epoch)) // cfg.grad_accum)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = common.cosine_schedule(opt, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     step, state = common.resume(run.dir, cfg.resume, model, opt, sched, generators={"sample": gen}, dist=dist)
-    if cfg.mode == "kto" and cfg.kto.min_emission_ratio and docs:
-        # the guard's baseline: the policy before KTO (kept in checkpoints, so a resumed run compares alike)
-        emission0 = state.get("kto_emission0")
-        if emission0 is None:  # (KTO runs as one process: see above)
-            with amp():
-                emission0 = sample_eval(model, tok, docs, cfg)["eval_emission"]
-            model.train()
-        state = {"kto_emission0": emission0}
-        print(f"kto: summary emission before training {emission0:.3f}; early stop below "
-              f"{cfg.kto.min_emission_ratio * emission0:.3f}")
-
+    emission0, state = kto_emission_baseline(cfg, state, model, tok, docs, amp)
+    lengths = [max(len(b.input_ids) for b in e.branches()) for e in train]
     corpus = EpochBatches(train, lengths, cfg.batch_episodes, cfg.bucket_window, cfg.seed)
-
-    def micro_batch(i: int) -> list[sandbox.Episode]:
-        return stream.episodes(i, tok) if stream is not None else corpus(i)
-
-    def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:
-        with amp():
-            if cfg.mode == "kto":
-                return kto_step_loss(model, ref_copy, b, labels, cfg, sum(len(x) for x in batches)), {}
-            return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, mask_retracted=cfg.mask_retracted,
-                                 method=cfg.score_method, rewrite_weight=cfg.rewrite_weight, tokenizer=tok,
-                                 decision_weight=cfg.decision_weight), {}
 
     model.train()
     history: dict = {}
@@ -572,8 +569,19 @@ def main(cfg: Config) -> dict:
     while step < total_steps:
         if cfg.eval.every and step % cfg.eval.every == 0 and held_eps and dist.main:  # rank 0 evaluates
             history = _log_eval(run, step, model, tok, held_eps, docs, cfg=cfg, amp=amp, sample=False)
-        batches = [micro_batch(step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
+        batches = [stream.episodes(i, tok) if stream is not None else corpus(i)
+                   for i in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum)]
         n_tok = sum(n_generated(e, cfg.mask_retracted) for b in batches for e in b)
+        n_eps = sum(len(b) for b in batches)
+
+        def loss_fn(b: list[sandbox.Episode]) -> tuple[torch.Tensor, dict]:  # each divided by the step's count
+            with amp():
+                if cfg.mode == "kto":
+                    return kto_step_loss(model, ref_copy, b, labels, cfg, n_eps), {}
+                return sequence_loss(model, b, n_tok, cfg.max_batch_tokens, mask_retracted=cfg.mask_retracted,
+                                     method=cfg.score_method, rewrite_weight=cfg.rewrite_weight, tokenizer=tok,
+                                     decision_weight=cfg.decision_weight), {}
+
         loss_value, _, norm, lr = optimizer_step(batches, loss_fn, params, opt, sched,
                                                  max_grad_norm=cfg.max_grad_norm, step=step, dist=dist)
         step += 1
@@ -585,11 +593,11 @@ def main(cfg: Config) -> dict:
             t_last, tok_count = time.perf_counter(), 0
         if cfg.eval.sample_every and step % cfg.eval.sample_every == 0 and step < total_steps:
             ev = _log_eval(run, step, model, tok, held_eps, docs, cfg=cfg, amp=amp, sample=True) if dist.main else {}
-            if emission0 is not None and "eval_emission" in ev:
-                if ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
-                    print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
-                          f"{cfg.kto.min_emission_ratio} x {emission0:.3f} before training")
-                    break
+            low = emission0 is not None and "eval_emission" in ev
+            if low and ev["eval_emission"] < cfg.kto.min_emission_ratio * emission0:
+                print(f"kto: early stop at step {step}: summary emission {ev['eval_emission']:.3f} < "
+                      f"{cfg.kto.min_emission_ratio} x {emission0:.3f} before training")
+                break
         if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
             common.save_checkpoint(run.dir, step, model, opt, sched, state=state, generators={"sample": gen},
                                    keep=cfg.keep_checkpoints, dist=dist)

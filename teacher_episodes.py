@@ -35,7 +35,7 @@ PRODUCER = "python teacher_episodes.py --config configs/teacher_cnn.yaml"
 
 
 @dataclass
-class DataConfig:
+class TeacherData:
     train: str = "out/cnn/train.jsonl"  # Document JSONL (python data.py load ...)
     split: str = ""  # a split manifest: only its train pool is used
     max_docs: int = 2000  # documents rolled out (the first ones, in file order)
@@ -47,7 +47,7 @@ class Config:
     runs_dir: str = "runs"
     out: str = "out/teacher/cnn_train.jsonl"
     model: modeling.ModelConfig = field(default_factory=modeling.ModelConfig)  # the hf backend's teacher
-    data: DataConfig = field(default_factory=DataConfig)
+    data: TeacherData = field(default_factory=TeacherData)
     sampling: engine.SamplingConfig = field(default_factory=lambda: engine.SamplingConfig(
         backend="api", temperature=0.0, max_new_tokens=512))
     limits: dict[str, int] = field(default_factory=dict)  # sandbox limits (sandbox.Limits names)
@@ -56,7 +56,7 @@ class Config:
     shard: str = "0/1"  # i/n: the documents whose id hashes to i mod n, written to OUT.shard{i}of{n}.jsonl
 
 
-def documents(cfg: DataConfig) -> list:
+def documents(cfg: TeacherData) -> list:
     if not Path(cfg.train).exists():
         raise SystemExit(f"data.train={cfg.train} does not exist: write it with `python data.py load ...` "
                          "(or `python -m newsworld generate ...`)")

@@ -200,12 +200,12 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
                     group_size=args.group, micro_groups=args.prompts, lr=LR, save_every=0, score_method=args.method,
                     model=modeling.ModelConfig(name_or_path=path, lora=modeling.LoraConfig(enabled=lora(args)),
                                                gradient_checkpointing=args.checkpointing == "on"),
-                    data=rl.DataConfig(train=docs_path, split=""), autocast="none")
+                    data=rl.DocumentData(train=docs_path, split=""), autocast="none")
     if lora(args):
         cfg.max_batch_tokens = args.max_batch_tokens  # 16384: a group's tree a pass, as configs/rl_smollm.yaml
     cfg.sampling.max_new_tokens = args.new_tokens
     cfg.sampling.temperature = 1.0
-    cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=0)
+    cfg.eval = rl.RLEval(every=0, n_docs=0, sample_every=0)
     reward = lambda docs, eps: [{"total": distinct_words(e.summary)} for e in eps]  # noqa: E731
     shapes, steps = [], []
     real_load, real_prompt, real_ban = modeling.load_policy, sandbox.prompt_ids, evaluation.tool_processor

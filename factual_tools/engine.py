@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     greedy), before top-p and any logits processor: it is what the trainer
     recomputes. `processed` (default: logits) is what the choice is made from.
     """
-    t = temperature if temperature > 0 else 1.0
-    logp = F.log_softmax(logits.float() / t, dim=-1)  # (B, V)
+    temp = temperature if temperature > 0 else 1.0
+    logp = F.log_softmax(logits.float() / temp, dim=-1)  # (B, V)
     x = (processed if processed is not None else logits).float()
     if temperature <= 0:
         tok = x.argmax(-1)
@@ -672,16 +672,16 @@ def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, *, logi
         toks, lps = sample(logits, cfg.temperature, cfg.top_p, generator, processed)
         toks, lps = toks.tolist(), lps.tolist()
         pending, alive, events = [], [], []
-        for i, (row, t, lp) in enumerate(zip(batch.rows, toks, lps)):
+        for i, (row, tok, lp) in enumerate(zip(batch.rows, toks, lps)):
             b = row.builder
             row.n_gen += 1
-            stop = b.push(t, lp)
+            stop = b.push(tok, lp)
             if stop:
                 act = b.end_turn()
             elif row.n_gen >= cfg.max_new_tokens or batch.lens[i] + 1 >= cfg.max_context_tokens:
                 act = b.end_turn("truncated")
             else:
-                pending.append([t])
+                pending.append([tok])
                 alive.append(i)
                 continue
             if act.kind == "done":
@@ -690,7 +690,7 @@ def _rollout_chunk(model, tokenizer, documents, group_size, cfg, limits, *, logi
                 batch.retract(i, act.keep)
                 feed = act.ids
             else:  # the kept prefix includes the token just sampled (not yet in the cache)
-                feed = [t] + act.ids
+                feed = [tok] + act.ids
             if row.n_gen >= cfg.max_new_tokens or batch.lens[i] + len(feed) >= cfg.max_context_tokens:
                 b.end_turn("truncated")  # no room left after the tool call
                 continue
@@ -785,9 +785,9 @@ def drive_multiturn(builders, generate_round, max_new_tokens, max_context_tokens
         for i, (ids, lps, finish) in zip(active, results):
             b = builders[i]
             stopped = False
-            for t, lp in zip(ids, lps or [None] * len(ids)):
+            for tok, lp in zip(ids, lps or [None] * len(ids)):
                 n_gen[i] += 1
-                if b.push(t, lp):
+                if b.push(tok, lp):
                     stopped = True
                     break
             out_of_room = n_gen[i] >= max_new_tokens or ctx(b) >= limit
@@ -849,7 +849,7 @@ def rollout_vllm(llm, tokenizer, documents, group_size, cfg: SamplingConfig, lim
         res = []
         for o in outs:
             c = o.outputs[0]
-            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
+            lps = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None
             finish = ("length" if c.finish_reason == "length"
                       else "stop_string" if isinstance(c.stop_reason, str) else "stop")
             res.append((list(c.token_ids), lps, finish))
@@ -1041,8 +1041,8 @@ def rollout_api(documents, group_size, cfg: SamplingConfig, limits=None, client:
     eps = drive_multiturn(builders, generate_round, cfg.max_new_tokens, 4 * cfg.max_context_tokens,
                           context_len=lambda b: prompt_chars[id(b)] + len(b.context_ids()))
     for b, ep in zip(builders, eps):  # character ids are not a tokenisation: keep the text record only
-        for t in ep.turns:
-            t.ids = t.logprobs = t.inj_ids = t.prune = None
+        for turn in ep.turns:
+            turn.ids = turn.logprobs = turn.inj_ids = turn.prune = None
         ep.prompt_ids = None
         ep.meta["api_usage"] = dict(client.usage)
         if id(b) in errors:  # ended early: the caller decides (teacher_episodes.py asks again next run)

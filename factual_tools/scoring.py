@@ -176,7 +176,7 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
     made each row's backward fill a zero tensor of the whole output: 40% of an
     SFT step, measured; one gather serves every row.)"""
     dev = ids.device
-    t = temperature if temperature > 0 else 1.0
+    temp = temperature if temperature > 0 else 1.0
     n = sum(map(len, wanted))
     pad = [0] * (bucketed(n, dev) - n)  # row 0's first position, scored and dropped: a bucketed head shape
     rows = torch.tensor([b for b, w in enumerate(wanted) for _ in w] + pad, dtype=torch.long, device=dev)
@@ -192,7 +192,7 @@ def _selected_logprobs(model, ids, attention_mask, position_ids, *, wanted: list
         col[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=torch.tensor(keep, device=dev), **attention).logits[rows, col[pos]]
-    logp = F.log_softmax(logits.float() / t, dim=-1).gather(-1, tg[:, None])[:n, 0]  # (N,)
+    logp = F.log_softmax(logits.float() / temp, dim=-1).gather(-1, tg[:, None])[:n, 0]  # (N,)
     return list(logp.split([len(w) for w in wanted]))
 
 
@@ -367,22 +367,22 @@ def score_trees(model, chunk, out, temperature, dev):
     """One forward over the trees of `chunk` (right-padded rows, each row's attention
     mask its trie: a node sees itself and its ancestors). Writes the log-probs of every
     tree's targets into `out[episode][turn]`, differentiable."""
-    width = bucketed(max(len(t.ids) for t in chunk), dev)
+    width = bucketed(max(len(tree.ids) for tree in chunk), dev)
     dtype = next(model.parameters()).dtype
     if not dtype.is_floating_point:
         dtype = torch.float32
     ids = torch.zeros((len(chunk), width), dtype=torch.long)
     pos = torch.zeros((len(chunk), width), dtype=torch.long)
     masks, wanted, targets, where = [], [], [], []
-    for i, t in enumerate(chunk):
-        ids[i, :len(t.ids)] = torch.tensor(t.ids)
-        pos[i, :len(t.ids)] = torch.tensor(t.depth)
-        masks.append(tree_mask(t, width))
+    for i, tree in enumerate(chunk):
+        ids[i, :len(tree.ids)] = torch.tensor(tree.ids)
+        pos[i, :len(tree.ids)] = torch.tensor(tree.depth)
+        masks.append(tree_mask(tree, width))
         w, tg = [], []
-        for e, ti, nodes in t.targets:
+        for e, ti, nodes in tree.targets:
             where.append((i, e, ti, len(w), len(w) + len(nodes)))
-            w += [t.parent[n] for n in nodes]
-            tg += [t.ids[n] for n in nodes]
+            w += [tree.parent[n] for n in nodes]
+            tg += [tree.ids[n] for n in nodes]
         wanted.append(w)
         targets.append(tg)
     allowed = torch.stack(masks).to(dev)  # (B, T, T)

@@ -3,7 +3,7 @@
 - The branch-exact SFT loss (`sequence_loss`: every generated id once, under the
   context it was generated in; the re-encoded tail after a delete is context only),
   the length-bucketed epoch batches and one optimizer step with accumulation.
-- The documents RL and distillation train on (`DataConfig`, `load_documents`): a
+- The documents RL and distillation train on (`DocumentData`, `load_documents`): a
   file, its split's pools, or fresh news-world documents guarded against the
   held-out clusters.
 """
@@ -23,7 +23,7 @@ from factual_tools import common, scoring, textsplit
 
 
 @dataclass
-class DataConfig:
+class DocumentData:
     train: str = "out/newsworld/docs.jsonl"  # training documents (Document JSONL)
     eval: str = ""  # held-out Document JSONL; "" = the train file's split eval pool (or none)
     split: str = "out/newsworld/split.json"  # leak-cluster manifest (`data.py split`); "" = no split
@@ -162,16 +162,26 @@ def optimizer_step(batches: Sequence[list], loss_fn, params, opt, sched, *, max_
         for k, v in more.items():
             extra[k] = extra.get(k, 0.0) + v
     if dist.world > 1:
-        dist.reduce_grads(params)
         parts = dist.gather((loss_sum, extra))
         loss_sum = sum(x for x, _ in parts)
         extra = {k: sum(e.get(k, 0.0) for _, e in parts) for k in dict.fromkeys(k for _, e in parts for k in e)}
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     lr = sched.get_last_lr()[0]
-    opt.step()
+    norm = apply_gradients(params, opt, max_grad_norm=max_grad_norm, step=step, dist=dist)
     sched.step()
+    return loss_sum, extra, norm, lr
+
+
+def apply_gradients(params, opt, *, max_grad_norm: float, step: int, dist: common.Dist = common.SINGLE) -> float:
+    """The optimizer step every trainer takes after its backward passes (rl.update, optimizer_step):
+    the gradients summed across ranks, clipped to `max_grad_norm`, applied and cleared. A non-finite
+    norm aborts before the update. Returns the norm before clipping."""
+    dist.reduce_grads(params)  # every rank now holds the whole step's gradient
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not torch.isfinite(norm):
+        raise FloatingPointError(f"step {step + 1}: gradient norm is {norm.item()}; aborting before the update")
+    opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss_sum, extra, norm.item(), lr
+    return norm.item()
 
 
 def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbox.Episode], int]:
@@ -187,7 +197,7 @@ def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbo
     return kept, skipped
 
 
-def load_documents(cfg: DataConfig) -> tuple[list, list, str]:
+def load_documents(cfg: DocumentData) -> tuple[list, list, str]:
     """(train, eval, how they were obtained)."""
     import newsworld  # the built-in world: generated and fresh documents
 

@@ -109,8 +109,8 @@ def test_rl_rolls_out_and_updates_under_the_chosen_autocast(tmp_path, monkeypatc
     monkeypatch.setattr(rl, "logprobs", in_update)
     monkeypatch.setattr(modeling, "load_policy", load)
     cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(name_or_path=policy),
-                    data=rl.DataConfig(train=str(docs), split=""), steps=1, prompts_per_step=2, group_size=2,
-                    save_every=0, autocast=kind, eval=rl.EvalConfig(every=0, n_docs=0, sample_every=0))
+                    data=rl.DocumentData(train=str(docs), split=""), steps=1, prompts_per_step=2, group_size=2,
+                    save_every=0, autocast=kind, eval=rl.RLEval(every=0, n_docs=0, sample_every=0))
     cfg.sampling.max_new_tokens = 8
     rl.main(cfg, reward_fn=lambda d, e: [{"total": float(i % 2)} for i in range(len(e))])
     assert seen["rollout"] == dtypes and seen["update"] == dtypes

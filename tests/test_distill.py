@@ -270,10 +270,10 @@ def adapter_teacher(full_teacher, tmp_path_factory):
 def config(teacher, world, runs_dir, **over):
     cfg = distill.Config(name="t", runs_dir=str(runs_dir), teacher=teacher, steps=5, batch_episodes=2,
                          warmup_steps=1, log_every=1, save_every=0, mask_check=4, torch_threads=1)
-    cfg.data = distill.DataConfig(docs=str(world / "docs.jsonl"), split=str(world / "split.json"))
+    cfg.data = distill.DistillData(docs=str(world / "docs.jsonl"), split=str(world / "split.json"))
     # a random teacher rarely ends before its token limit: keep its truncated episodes
     cfg.generate = distill.GenerateConfig(samples_per_doc=2, max_new_tokens=12, filter="none")
-    cfg.eval = distill.EvalConfig(n_docs=2, latency_docs=2, n_samples=1, max_new_tokens=12, factuality="oracle")
+    cfg.eval = distill.DistillEval(n_docs=2, latency_docs=2, n_samples=1, max_new_tokens=12, factuality="oracle")
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -285,7 +285,7 @@ def test_end_to_end_from_an_adapter_teacher(adapter_teacher, world, tmp_path, mo
     assert_trackers_match_metrics(run, keys=("loss", "kd", "ce"))
     final = run / "final"
     assert (final / "config.json").exists() and not (final / "adapter_config.json").exists()  # full weights
-    model, tok = modeling.load_trained(str(final))
+    model, tok = modeling.load_policy(modeling.trained_model_config(str(final)), train=False)
     assert tok.get_vocab() == TOK.get_vocab() and model.config.hidden_size == 64  # tiny-0.3m over the teacher's vocab
     ep = engine.rollout(model, tok, [DOC], 1, engine.SamplingConfig(temperature=0.0, max_new_tokens=8))[0]
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 8
@@ -335,7 +335,7 @@ def test_a_pruned_teacher_student_keeps_its_layers_weights_and_merged_adapter(wo
             if k.startswith(f"model.layers.{new}."):
                 assert torch.equal(v, merged[k.replace(f"layers.{new}.", f"layers.{old}.")]), k
     assert torch.equal(student["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
-    final, _ = modeling.load_trained(str(tmp_path / "runs" / "t" / "final"))
+    final, _ = modeling.load_policy(modeling.trained_model_config(str(tmp_path / "runs" / "t" / "final")), train=False)
     assert final.config.num_hidden_layers == 2
     ep = engine.rollout(final, TOK, [DOC], 1, engine.SamplingConfig(temperature=0.0, max_new_tokens=6))[0]  # the KV cache
     assert 0 < sum(len(t.ids) for t in ep.turns) <= 6  # indexes the kept layers 0 and 1
@@ -349,7 +349,7 @@ def test_a_pruned_teacher_student_keeps_its_layers_weights_and_merged_adapter(wo
 
 
 def test_resume_gives_the_weights_of_an_uninterrupted_run(full_teacher, world, tmp_path, monkeypatch):
-    over = dict(steps=4, save_every=2, eval=distill.EvalConfig(n_docs=0))
+    over = dict(steps=4, save_every=2, eval=distill.DistillEval(n_docs=0))
     distill.main(config(full_teacher, world, tmp_path / "a", **over))
     with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         distill.main(config(full_teacher, world, tmp_path / "b", **over))
@@ -371,7 +371,7 @@ def test_vocabulary_mismatch_trains_with_cross_entropy_and_says_so(full_teacher,
     other = tmp_path / "other_student"
     tiny_llama(bpe_tokenizer(300), seed=0, hidden=32, layers=1).save_pretrained(other)
     bpe_tokenizer(300).save_pretrained(other)
-    cfg = config(full_teacher, world, tmp_path, steps=2, target="episode", eval=distill.EvalConfig(n_docs=0),
+    cfg = config(full_teacher, world, tmp_path, steps=2, target="episode", eval=distill.DistillEval(n_docs=0),
                  student=modeling.ModelConfig(name_or_path=str(other), lora=modeling.LoraConfig(enabled=False)))
     report = distill.main(cfg)
     assert report["kd_weight"] == 0.0 and "vocabularies differ" in capsys.readouterr().out

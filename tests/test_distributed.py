@@ -114,8 +114,8 @@ def sft_config(setup, runs_dir, **over) -> sft.Config:
         name_or_path=model, lora=modeling.LoraConfig(enabled=True, rank=4, alpha=8)),
         batch_episodes=4, grad_accum=2, epochs=2, lr=1e-2, warmup_steps=0, log_every=1, save_every=1,
         mask_check=2, torch_threads=1, autocast="none")
-    cfg.data = sft.DataConfig(train=train, eval="")
-    cfg.eval = sft.EvalConfig(every=0, n_docs=0, sample_every=0)
+    cfg.data = sft.SFTData(train=train, eval="")
+    cfg.eval = sft.SFTEval(every=0, n_docs=0, sample_every=0)
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -186,10 +186,10 @@ def rl_config(setup, runs_dir, **over) -> rl.Config:
     policy, docs = setup
     cfg = rl.Config(name="t", runs_dir=str(runs_dir), model=modeling.ModelConfig(
         name_or_path=policy, lora=modeling.LoraConfig(enabled=False)),
-        data=rl.DataConfig(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1,
+        data=rl.DocumentData(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1,
         lr=1e-2, torch_threads=1, autocast="none", keep_checkpoints=10)
     cfg.sampling.max_new_tokens = 40
-    cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=1, n_samples=2)
+    cfg.eval = rl.RLEval(every=0, n_docs=0, sample_every=1, n_samples=2)
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -274,8 +274,8 @@ def test_a_killed_two_rank_run_resumes_to_the_weights_of_an_uninterrupted_one(rl
     ranks refuses to resume in 1 process, naming both sizes."""
     over = {"steps": 3, "sampling": engine.SamplingConfig(temperature=1.0, max_new_tokens=24)}
     docs = rl_setup[1]
-    full_over = {**over, "eval": rl.EvalConfig(every=2, n_docs=1, sample_every=1, n_samples=2),
-                 "data": rl.DataConfig(train=docs, eval=docs, split="")}
+    full_over = {**over, "eval": rl.RLEval(every=2, n_docs=1, sample_every=1, n_samples=2),
+                 "data": rl.DocumentData(train=docs, eval=docs, split="")}
     writes = tmp_path / "writes"
     writes.mkdir()
     launch(_rl_sampled_rank, 2, rl_setup, tmp_path / "a", full_over, 0, str(writes))
@@ -322,9 +322,9 @@ def distill_config(setup, runs_dir) -> distill.Config:
     cfg = distill.Config(name="t", runs_dir=str(runs_dir), teacher=teacher, steps=2, batch_episodes=3, grad_accum=2,
                          lr=1e-2, warmup_steps=0, log_every=1, save_every=1, mask_check=2, torch_threads=1,
                          autocast="none", target="both")
-    cfg.data = distill.DataConfig(docs=f"{world}/docs.jsonl", split=f"{world}/split.json")
+    cfg.data = distill.DistillData(docs=f"{world}/docs.jsonl", split=f"{world}/split.json")
     cfg.generate = distill.GenerateConfig(samples_per_doc=2, max_new_tokens=12, filter="none")
-    cfg.eval = distill.EvalConfig(n_docs=0)
+    cfg.eval = distill.DistillEval(n_docs=0)
     return cfg
 
 

@@ -138,17 +138,17 @@ def split_world(tmp_path):
 def test_training_documents_come_from_the_train_pool_or_a_fresh_world_never_a_held_out_cluster(tmp_path):
     docs, manifest, docs_path, split_path = split_world(tmp_path)
     pool = {p: {e["id"] for e in manifest["pools"][p]} for p in data.POOLS}
-    cfg = rl.DataConfig(train=str(docs_path), split=str(split_path))
+    cfg = rl.DocumentData(train=str(docs_path), split=str(split_path))
     train, held, _ = rl.load_documents(cfg)
     assert {d.id for d in train} == pool["train"] and {d.id for d in held} == pool["eval"]
-    fresh = rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=150, fresh_seed=0)
+    fresh = rl.DocumentData(train=str(docs_path), split=str(split_path), fresh=150, fresh_seed=0)
     train, held, how = rl.load_documents(fresh)  # the split's own world drawn again: its held-out articles skipped
     assert {d.id for d in held} == pool["eval"] and "fresh" in how
     assert not {d.id for d in train} & (pool["eval"] | pool["never_touch"]) and len(train) >= 100
-    other = rl.load_documents(rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=50, fresh_seed=9))[0]
+    other = rl.load_documents(rl.DocumentData(train=str(docs_path), split=str(split_path), fresh=50, fresh_seed=9))[0]
     assert len(other) >= 48 and not {d.id for d in other} & {d.id for d in docs}
     with pytest.raises(SystemExit, match="data.fresh needs a split"):
-        rl.load_documents(rl.DataConfig(train=str(docs_path), split="", fresh=10))
+        rl.load_documents(rl.DocumentData(train=str(docs_path), split="", fresh=10))
 
 
 def test_the_pools_are_checked_against_the_split_content_hashes(tmp_path):
@@ -157,20 +157,20 @@ def test_the_pools_are_checked_against_the_split_content_hashes(tmp_path):
     changed = [dataclasses.replace(d, text=d.text + " Extra.") if d.id == held.id else d for d in docs]
     data.write_jsonl(str(docs_path), changed)
     with pytest.raises(SystemExit, match=rf"{held.id}.*changed since {split_path}"):
-        rl.load_documents(rl.DataConfig(train=str(docs_path), split=str(split_path)))
+        rl.load_documents(rl.DocumentData(train=str(docs_path), split=str(split_path)))
 
 
 def test_validation_documents_are_fresh_and_leave_the_eval_pool_alone(tmp_path):
     _, manifest, docs_path, split_path = split_world(tmp_path)
     held_pools = {e["id"] for p in ("eval", "never_touch") for e in manifest["pools"][p]}
-    cfg = rl.DataConfig(train=str(docs_path), split=str(split_path), fresh=20, validation=30, validation_seed=0)
+    cfg = rl.DocumentData(train=str(docs_path), split=str(split_path), fresh=20, validation=30, validation_seed=0)
     train, val, how = rl.load_documents(cfg)  # the split's own world: its held-out articles are skipped
     assert 20 <= len(val) < 30 and not {d.id for d in val} & held_pools and "validation" in how
     assert not {d.id for d in val} & {d.id for d in train}
     with pytest.raises(SystemExit, match="would be training documents"):
         rl.load_documents(dataclasses.replace(cfg, fresh_seed=0))
     with pytest.raises(SystemExit, match="data.validation needs a split"):
-        rl.load_documents(rl.DataConfig(train=str(docs_path), split="", validation=10))
+        rl.load_documents(rl.DocumentData(train=str(docs_path), split="", validation=10))
 
 
 def test_step_documents_walk_a_seeded_permutation_per_epoch():
@@ -276,9 +276,9 @@ def mention_reward(documents, episodes):
 def config(policy, docs, tmp_path, lora=False, **over):
     cfg = rl.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(
         name_or_path=policy, lora=modeling.LoraConfig(enabled=lora, rank=4, alpha=8)),
-        data=rl.DataConfig(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1, lr=1e-2)
+        data=rl.DocumentData(train=docs, split=""), steps=2, prompts_per_step=2, group_size=4, micro_groups=1, lr=1e-2)
     cfg.sampling.max_new_tokens = 16
-    cfg.eval = rl.EvalConfig(every=0, n_docs=0, sample_every=1, n_samples=2)
+    cfg.eval = rl.RLEval(every=0, n_docs=0, sample_every=1, n_samples=2)
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -294,16 +294,16 @@ def test_keep_best_makes_final_the_best_evaluated_step_not_the_last(policy, docs
     from safetensors.torch import load_file
 
     totals = iter([0.9, 0.2, 0.7, 0.3, 0.1])  # steps 0 (never a candidate), 1, 2, 3, 4
-    real = rl.rewards.score_batch
+    real = rl.rewards.Scorer.score_batch  # the held-out evaluation's: training takes reward_fn
 
-    def scripted(items, cfg, *a, **k):
+    def scripted(self, items, *a, **k):
         t = next(totals)
-        return [{**s, "total": t} for s in real(items, cfg, *a, **k)]
+        return [{**s, "total": t} for s in real(self, items, *a, **k)]
 
-    monkeypatch.setattr(rl.rewards, "score_batch", scripted)
+    monkeypatch.setattr(rl.rewards.Scorer, "score_batch", scripted)
     cfg = config(policy, docs, tmp_path, steps=4, save_every=1, keep_checkpoints=10)
     cfg.data.eval = docs
-    cfg.eval = rl.EvalConfig(every=1, n_docs=2, sample_every=0, keep_best="eval_total")
+    cfg.eval = rl.RLEval(every=1, n_docs=2, sample_every=0, keep_best="eval_total")
     rl.main(cfg, reward_fn=spread_reward)  # every step updates, so steps 2 and 4 differ
     run = tmp_path / "t"
     assert json.loads((run / "best.json").read_text()) == {"metric": "eval_total", "value": 0.7, "step": 2}
@@ -539,10 +539,10 @@ def test_kl_to_the_reference_and_inner_epochs(policy, docs, tmp_path):
 def fake_vllm(monkeypatch, shift):
     """The vLLM path on a CPU: the hf engine stands in for vLLM, and its recorded
     log-probs are moved by `shift` nats, as a different sampler's would be."""
-    real_load, requests = rl.load_model, []
+    real_load, requests = modeling.load_from_init, []
 
-    def load(cfg):
-        model, tok = real_load(cfg)
+    def load(*args, **kwargs):
+        model, tok = real_load(*args, **kwargs)
         model.vllm_engine = types.SimpleNamespace(policy=model)  # not a submodule
         model.load_lora = lambda path, load_tensors=False: requests.append((path, load_tensors)) or "lora"
         return model, tok
@@ -556,7 +556,7 @@ def fake_vllm(monkeypatch, shift):
                 t.logprobs = [x + shift for x in t.logprobs]
         return eps
 
-    monkeypatch.setattr(rl, "load_model", load)
+    monkeypatch.setattr(modeling, "load_from_init", load)
     monkeypatch.setattr(engine, "rollout_vllm", rollout_vllm)
     return requests
 
@@ -603,7 +603,7 @@ def test_the_tools_setting_bans_tool_calls_from_rollouts_and_the_held_out_evalua
     cfg = config(policy, docs, tmp_path, steps=1, save_every=0, tools=tools, sampling=engine.SamplingConfig(
         max_new_tokens=120))
     cfg.data.eval = docs
-    cfg.eval = rl.EvalConfig(every=0, n_docs=2, sample_every=0, max_new_tokens=120)
+    cfg.eval = rl.RLEval(every=0, n_docs=2, sample_every=0, max_new_tokens=120)
     out = rl.main(cfg, reward_fn=reward)
     assert len(seen) == 8 and all(e.summary.strip() for e in seen)
     searches, deletes = sum(e.n_search for e in seen), sum(e.n_delete for e in seen)
@@ -768,7 +768,7 @@ def test_rl_from_an_sft_adapter_anchors_the_kl_on_that_adapter_not_on_the_base(p
     TOK.save_pretrained(tmp_path / "sft_adapter")
     cfg = config(policy, docs, tmp_path / "run", lora=True, beta=0.1, mu=1, steps=2,
                  init=str(tmp_path / "sft_adapter"))
-    model, tok = rl.load_model(cfg)
+    model, tok = modeling.load_from_init(cfg.model, cfg.init, reference=cfg.beta > 0)
     assert common.REFERENCE_ADAPTER in model.peft_config
     eps = engine.rollout(model, tok, [DOC], 2, engine.SamplingConfig(max_new_tokens=12, temperature=1.0), S.Limits())
     with torch.no_grad():
@@ -817,5 +817,5 @@ def test_a_step_logs_how_many_right_sentences_its_rollouts_deleted():
     ep = sandbox.replay(doc.text, right + '<delete scope="sentence"/>' + right)
     for t in ep.turns:
         t.ids = [0] * len(t.text)
-    result = rewards.score_batch([(doc, ep)], rewards.RewardConfig(factuality="oracle"))[0]
+    result = rewards.Scorer(rewards.RewardConfig(factuality="oracle")).score_batch([(doc, ep)])[0]
     assert rl.episode_figures(ep, result)["right_deletes"] == 1

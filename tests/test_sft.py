@@ -232,8 +232,8 @@ def test_validate_masks_catches_a_planted_off_by_one(tiny, monkeypatch):
 def cfg_for(tiny, traces, tmp_path, **over):
     cfg = sft.Config(name="t", runs_dir=str(tmp_path), model=modeling.ModelConfig(
         name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)))
-    cfg.data = sft.DataConfig(train=str(traces / "train.jsonl"), eval=str(traces / "eval.jsonl"))
-    cfg.eval = sft.EvalConfig(every=0, n_docs=8, max_new_tokens=60)
+    cfg.data = sft.SFTData(train=str(traces / "train.jsonl"), eval=str(traces / "eval.jsonl"))
+    cfg.eval = sft.SFTEval(every=0, n_docs=8, max_new_tokens=60)
     for k, v in over.items():
         setattr(cfg, k, v)
     return cfg
@@ -248,10 +248,12 @@ def test_sft_and_rl_start_from_init_the_same_way(tiny, traces, tmp_path):
 
     cfg = cfg_for(tiny, traces, tmp_path, init=str(tmp_path / "nope"))
     with pytest.raises(SystemExit, match=r"init=.*nope does not exist"):
-        sft.load_model(cfg)
+        sft.main(cfg)
+    rl_cfg = rl.Config(init=str(tmp_path / "nope"), runs_dir=str(tmp_path / "rl_runs"))
     with pytest.raises(SystemExit, match=r"init=.*nope does not exist"):
-        rl.load_model(rl.Config(init=str(tmp_path / "nope")))
-    model, _ = sft.load_model(cfg_for(tiny, traces, tmp_path, init=tiny))  # full weights: the base itself
+        rl.main(rl_cfg)
+    full = cfg_for(tiny, traces, tmp_path, init=tiny)
+    model, _ = modeling.load_from_init(full.model, full.init)  # full weights: the base itself
     base, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=tiny, lora=modeling.LoraConfig(enabled=False)),
                                    train=False)
     assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
@@ -279,7 +281,7 @@ def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_pat
     held = [e.tokenized(tok) for e in S.read_episodes(cfg.data.eval)]
     docs = sft.held_out_documents(held, "", 8)
     before_loss = sft.eval_loss(model, held, 16384)
-    before = sft.sample_eval(model, tok, docs, dataclasses.replace(cfg, eval=sft.EvalConfig(max_new_tokens=60)))
+    before = sft.sample_eval(model, tok, docs, dataclasses.replace(cfg, eval=sft.SFTEval(max_new_tokens=60)))
     after = sft.main(cfg)
     calls = lambda ev: ev["eval_searches"] + ev["eval_deletes"]  # noqa: E731
     assert after["eval_loss"] < 0.5 * before_loss
@@ -293,7 +295,7 @@ def test_short_run_lowers_eval_loss_and_learns_tool_syntax(tiny, traces, tmp_pat
 def test_a_resumed_run_continues_its_tensorboard_and_wandb_logs(tiny, traces, tmp_path, monkeypatch):
     over = dict(epochs=4 * 16 / 100, batch_episodes=16, save_every=2, log_every=1, mask_check=4,
                 log=offline_trackers(monkeypatch),
-                eval=sft.EvalConfig(every=0, n_docs=0))
+                eval=sft.SFTEval(every=0, n_docs=0))
     with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         sft.main(cfg_for(tiny, traces, tmp_path, **over))
     sft.main(cfg_for(tiny, traces, tmp_path, **over))
@@ -306,7 +308,7 @@ def test_a_resumed_run_continues_its_tensorboard_and_wandb_logs(tiny, traces, tm
 @pytest.mark.slow
 def test_resume_gives_the_weights_of_an_uninterrupted_run(tiny, traces, tmp_path, monkeypatch):
     over = dict(epochs=4 * 16 / 100, batch_episodes=16, save_every=2, lr=1e-3, mask_check=4,
-                eval=sft.EvalConfig(every=0, n_docs=0))
+                eval=sft.SFTEval(every=0, n_docs=0))
     sft.main(cfg_for(tiny, traces, tmp_path / "a", **over))
     with killed_after_checkpoint(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
         sft.main(cfg_for(tiny, traces, tmp_path / "b", **over))
@@ -348,7 +350,7 @@ def test_strip_tools_keeps_only_the_final_summary_of_each_trace(tiny):
 
 
 def test_the_base_stage_names_the_missing_documents_and_how_to_make_them(tmp_path):
-    cfg = sft.DataConfig(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
+    cfg = sft.SFTData(generate=10, docs=str(tmp_path / "docs.jsonl"), split=str(tmp_path / "split.json"))
     with pytest.raises(SystemExit, match=r"docs.jsonl .*python -m newsworld generate .*python data.py split"):
         sft.base_data(cfg, None, 4)
 
@@ -415,13 +417,13 @@ def test_rejection_teacher_and_stripped_corpora_train_on_what_they_say(tiny, tra
         return 0
 
     # every second rollout "passes": the random tiny policy would pass none
-    real_score = sft.rewards.score_batch
+    real_score = sft.rewards.Scorer.score_batch
 
-    def fake_score(items, cfg=None, scorer=None, teacher=None):
-        return [dict(r, **{"pass": i % 2 == 0}) for i, r in enumerate(real_score(items, cfg))]
+    def fake_score(self, items, cfg=None, teacher=None):
+        return [dict(r, **{"pass": i % 2 == 0}) for i, r in enumerate(real_score(self, items, cfg))]
 
     monkeypatch.setattr(sft.scoring, "validate_masks", spy_validate)
-    monkeypatch.setattr(sft.rewards, "score_batch", fake_score)
+    monkeypatch.setattr(sft.rewards.Scorer, "score_batch", fake_score)
     monkeypatch.setattr(S.Episode, "valid", property(lambda self: True))
     base = S.read_episodes(str(traces / "train.jsonl"))
     cfg = cfg_for(tiny, traces, tmp_path / "rej", mode="rejection", epochs=0.01, save_every=0,
@@ -492,12 +494,12 @@ def test_kto_mode_prefers_the_desirable_episodes_and_its_guard_stops_it(tiny, tr
     model0, tok = modeling.load_policy(cfg.model)
     eps = [e.tokenized(tok) for e in base]
     with torch.no_grad():
-        before = sft.episode_logps(model0, eps)
+        before = sft.episode_logprob_sums(model0, eps)
     sft.main(cfg)
     model1, _ = modeling.load_policy(modeling.ModelConfig(name_or_path=str(tmp_path / "kto" / "t" / "final"),
                                                       lora=modeling.LoraConfig(enabled=False)))
     with torch.no_grad():
-        after = sft.episode_logps(model1, eps)
+        after = sft.episode_logprob_sums(model1, eps)
     moved = after - before
     assert moved[0::2].mean() > moved[1::2].mean() + 1.0  # desirable up against undesirable
 

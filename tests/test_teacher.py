@@ -39,7 +39,7 @@ def docs(tmp_path):
 
 
 def config(docs, tmp_path, url, **over):
-    cfg = T.Config(out=str(tmp_path / "teacher.jsonl"), data=T.DataConfig(train=docs, max_docs=5), chunk=2)
+    cfg = T.Config(out=str(tmp_path / "teacher.jsonl"), data=T.TeacherData(train=docs, max_docs=5), chunk=2)
     cfg.sampling.api_base, cfg.sampling.api_model, cfg.sampling.api_mode = url, "teacher-model", "completions"
     cfg.sampling.api_retries = 0
     for k, v in over.items():
