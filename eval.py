@@ -6,7 +6,7 @@
     python eval.py --config configs/eval_tiny.yaml tools=none name=eval_no_tools   # decode-time ablation
     python eval.py --config configs/eval_news.yaml --compare lead-3 best-extract runs/sft_news/final
 
-A model is a trained directory (`modeling.load_trained`): full weights (SFT's `final/`) or a PEFT
+A model is a trained directory (`modeling.trained_model_config`): full weights (SFT's `final/`) or a PEFT
 adapter (RL's `final/`). Documents are the leak-cluster manifest's `eval` pool (`data.py split`;
 `never_touch` only when `pool=never_touch` is asked for); with `--compare A B ...` every directory
 sees the same documents and seeds. Every metric is defined in `evaluate`'s docstring.

@@ -35,7 +35,7 @@ import rewards
 import sandbox
 from factual_tools import common, modeling, settings, textsplit
 from factual_tools.teachers import body, correction_steps, oracle_flags
-from factual_tools.traces import read_traces, tfidf_cosine
+from factual_tools.traces import read_traces, tfidf_for
 from factual_tools.traces import render_html, shape, trace_id
 
 
@@ -142,7 +142,7 @@ def relevance(ep: sandbox.Episode) -> float | None:
             hits = ep.turns[k].call.hits or []
             if hits:
                 top = sandbox.index_for(ep.document).sentences[hits[0]]
-                best = max(best, tfidf_cosine(ep.document, top, st["corrected"]))
+                best = max(best, tfidf_for(ep.document).cosine(top, st["corrected"]))
         sims.append(best)
     return min(sims) if sims else None
 
@@ -168,11 +168,7 @@ def uncorrected_draft(ep: sandbox.Episode) -> str:
 def factuality(doc: data.Document | str, summary: str, backend: str = "lexical") -> float:
     """F in [0, 1] from a reward backend: lexical, support or learned (model-free),
     the news world's oracle (`oracle.oracle_fact_score`), or FENICE."""
-    return factuality_batch([(doc, summary)], backend)[0]
-
-
-def factuality_batch(pairs: Sequence[tuple[data.Document | str, str]], backend: str = "lexical") -> list[float]:
-    return rewards.factuality_batch(pairs, rewards.RewardConfig(factuality=backend))
+    return rewards.factuality_batch([(doc, summary)], rewards.RewardConfig(factuality=backend))[0]
 
 
 def refit_results(ep: sandbox.Episode, length_fn: Callable[[str], int], result_tokens: int,
@@ -473,8 +469,9 @@ def gate_gain(cfg: Config, funnel: Funnel, eps: list, docs: dict) -> list[sandbo
     """Gate 6: a corrective trace is kept when its corrections raised factuality by `gain_min` and it
     left no error the teacher found uncorrected (the gain is written to the trace's meta)."""
     corrective = [ep for ep in eps if ep.n_deleted]
-    finals = factuality_batch([(docs[ep.doc_id], ep.summary) for ep in corrective], cfg.factuality)
-    drafts = factuality_batch([(docs[ep.doc_id], uncorrected_draft(ep)) for ep in corrective], cfg.factuality)
+    backend = rewards.RewardConfig(factuality=cfg.factuality)
+    finals = rewards.factuality_batch([(docs[ep.doc_id], ep.summary) for ep in corrective], backend)
+    drafts = rewards.factuality_batch([(docs[ep.doc_id], uncorrected_draft(ep)) for ep in corrective], backend)
     gain = {id(ep): f - d for ep, f, d in zip(corrective, finals, drafts)}
     for ep in corrective:
         ep.meta["factuality_gain"] = round(gain[id(ep)], 4)

@@ -17,7 +17,7 @@ table). Each is reported under its own name (`BACKEND_NAMES`), so an approximati
 as FENICE.
 
 Entry points (DESIGN.md section 10): `rule_scores`, `lexical_factuality`, `support_factuality`,
-`factuality_batch`, `score`, `score_batch`, `tool_match`, `Curriculum`, `RewardConfig`, `Scorer`.
+`factuality_batch`, `score`, `Scorer.score_batch`, `tool_match`, `Curriculum`, `RewardConfig`.
 Every rule is total: any input (empty, huge, binary junk, markup) gets a score in [0, 1] and never
 raises; a summary with no words scores 0 on every rule. Texts are read by factual_tools/claims.py;
 torch and transformers load only inside FENICE, so rewards import on a CPU machine without vLLM or
@@ -862,6 +862,16 @@ class Scorer:
 
     def score_batch(self, items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None,
                     teacher: dict | None = None) -> list[dict]:
+        """Score (document, episode or summary) pairs under `cfg` (default: the scorer's),
+        at the curriculum's tau. A document is a str or a data.Document (the oracle backend
+        needs the latter); `teacher` maps a document id (the episode's `doc_id`, else the
+        Document's `id`) to a teacher Episode for ToolMatch. FENICE's models load once
+        (`fenice_for` shares them across scorers).
+        Each result holds every component: total, pass, tau, factuality (+ backend
+        name, pass; `precision` is F before key-fact `coverage`, None without
+        reward.coverage), rules (weighted mean, pass), rule_<name> and rule_<name>_pass,
+        budget, cap_penalty, tool_match (None without a teacher) and its per-step
+        values, n_search, n_delete, n_words, per-claim details and rule evidence."""
         cfg = cfg or self.cfg
         items = list(items)
         docs = [d for d, _ in items]
@@ -940,22 +950,7 @@ def factuality_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None 
     return [float(f) * (1.0 if c is None else c) for (f, _), c in zip(facts, coverage)]
 
 
-def score_batch(items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None, scorer: Scorer | None = None,
-                teacher: dict | None = None) -> list[dict]:
-    """Score (document, episode or summary) pairs. A document is a str or a
-    data.Document (the oracle backend needs the latter); `teacher` maps a
-    document id (the episode's `doc_id`, else the Document's `id`) to a teacher
-    Episode for ToolMatch. Without a `scorer`, tau is `cfg.curriculum.taus[0]`
-    (models are still loaded once: `fenice_for` shares them); with one, its
-    curriculum decides tau.
-    Each result holds every component: total, pass, tau, factuality (+ backend
-    name, pass; `precision` is F before key-fact `coverage`, None without
-    reward.coverage), rules (weighted mean, pass), rule_<name> and rule_<name>_pass,
-    budget, cap_penalty, tool_match (None without a teacher) and its per-step
-    values, n_search, n_delete, n_words, per-claim details and rule evidence."""
-    return (scorer or Scorer(cfg or _DEFAULT_CFG)).score_batch(items, cfg, teacher)
-
-
 def score(document: Any, episode_or_summary: Any, cfg: RewardConfig | None = None) -> dict:
-    """One (document, episode or summary) pair (DESIGN.md section 10); see score_batch."""
-    return score_batch([(document, episode_or_summary)], cfg)[0]
+    """One (document, episode or summary) pair (DESIGN.md section 10), at the first tau of
+    `cfg`'s curriculum; see Scorer.score_batch."""
+    return Scorer(cfg).score_batch([(document, episode_or_summary)])[0]

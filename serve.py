@@ -20,7 +20,7 @@ Endpoints:
 
 Episodes decode through the same engine and sandbox as training and evaluation
 (`engine.rollout`, greedy; `engine.rollout_vllm` with `--backend vllm`) and
-are scored by the same reward (`rewards.score_batch`). Requests are batched: the
+are scored by the same reward (`rewards.Scorer.score_batch`). Requests are batched: the
 first waits up to `batch_wait_ms` for others, up to `batch_size` decode as one
 engine batch, and requests arriving meanwhile queue for the next batch. Every
 served episode and its scores go to a rotating JSONL log (`log`), which
@@ -272,7 +272,7 @@ class Engine:
         else:  # pragma: no cover - GPU stack
             eps = engine.rollout_vllm(self.model, self.tok, documents, 1, self.greedy, self.limits,
                                        lora_request=self.lora)
-        scores = rewards.score_batch(list(zip(documents, eps)), self.cfg.reward)
+        scores = rewards.Scorer(self.cfg.reward).score_batch(list(zip(documents, eps)))
         return [(episode_response(d, e, s, self.cfg.claim_tau), e) for d, e, s in zip(documents, eps, scores)]
 
 

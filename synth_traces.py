@@ -46,7 +46,7 @@ from factual_tools.teachers import (
     sampling_for, unique_rounds, written_text,
 )
 from factual_tools.traces import (
-    append_traces, done_ids, flags_to_keys, merge, parse_shard, shard_of, shard_path, stable_hash, tfidf_cosine,
+    append_traces, done_ids, flags_to_keys, merge, parse_shard, shard_of, shard_path, stable_hash,
     tfidf_for,
 )
 
@@ -240,7 +240,8 @@ def evidence_correction(document: str, query: str, corrected: str, min_cosine: f
         return corrected
     index = sandbox.index_for(document)
     res = index.search(query, top_k)
-    best = max(((tfidf_cosine(document, corrected, index.sentences[h]), index.sentences[h]) for h in res.hits or []),
+    tf = tfidf_for(document)
+    best = max(((tf.cosine(corrected, index.sentences[h]), index.sentences[h]) for h in res.hits or []),
                default=(0.0, ""))
     return best[1] if best[0] >= min_cosine else corrected
 

@@ -126,7 +126,7 @@ def main() -> None:
     out = {
         "lexical_per_s": per_second(groups, lambda d, ss: [R.lexical_factuality(d, s) for s in ss]),
         "rules_per_s": per_second(groups, lambda d, ss: [R.rule_scores(d, s) for s in ss]),
-        "score_batch_lexical_per_s": per_second(groups, lambda d, ss: R.score_batch([(d, s) for s in ss])),
+        "score_batch_lexical_per_s": per_second(groups, lambda d, ss: R.Scorer().score_batch([(d, s) for s in ss])),
     }
     print(f"lexical factuality ({R.LEXICAL_NAME}): {out['lexical_per_s']:.0f} summaries/s (target >= 2,000)")
     print(f"rule bundle: {out['rules_per_s']:.0f} summaries/s; score_batch (rules + lexical + tool terms): "

@@ -107,7 +107,7 @@ def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) ->
     """Unsupported claims per summary, and the oracle's error labels (None per
     summary without an oracle). On the news world (every document has a fact
     table) the oracle counts; otherwise the claims of `scores` (from
-    `rewards.score_batch`) that the backend scored below `cfg.claim_tau`."""
+    `rewards.Scorer.score_batch`) that the backend scored below `cfg.claim_tau`."""
     if all(getattr(d, "facts", None) for d in docs):
         from newsworld import oracle
 
@@ -451,12 +451,6 @@ def tool_processor(tokenizer, tools: str) -> TagBan | None:
 WARM_UP_TOKENS = 16  # the latency's untimed warm-up (a whole SFT summary: 7.9 s at batch 1, AVX2 kernels)
 
 
-def _rollouts(model, tok, docs, group: int, scfg, limits, *, ban, generator, what: str) -> list[sandbox.Episode]:
-    """engine.rollout with a progress bar named `what`."""
-    return engine.rollout(model, tok, docs, group, scfg, limits, logits_processor=ban, generator=generator,
-                           progress=what)
-
-
 def decoding(tokenizer, cfg: Config) -> tuple[sandbox.Limits, engine.SamplingConfig, TagBan | None]:
     """What an evaluation decodes under: the sandbox limits, the greedy sampling
     settings and the decode-time tool ban (None when every tool is allowed)."""
@@ -480,10 +474,10 @@ def greedy_eval(model, tokenizer, documents, cfg: Config, generate=None,
         eps = generate(docs)
     else:
         limits, greedy, ban = setup or decoding(tokenizer, cfg)
-        eps = _rollouts(model, tokenizer, docs, 1, greedy, limits, ban=ban, generator=None, what="greedy")
+        eps = engine.rollout(model, tokenizer, docs, 1, greedy, limits, logits_processor=ban, progress="greedy")
     news = all(getattr(d, "facts", None) for d in docs)
     out: dict[str, float] = {}
-    scores = rewards.score_batch(list(zip(docs, eps)), cfg.reward)
+    scores = rewards.Scorer(cfg.reward).score_batch(list(zip(docs, eps)))
     pairs = [(e.summary, d.summary) for d, e in zip(docs, eps) if getattr(d, "summary", "")]
     out.update(rouge([p for p, _ in pairs], [r for _, r in pairs]))
     for k in ("factuality", "pass", "total", "rules", "rules_pass"):
@@ -575,9 +569,9 @@ def evaluate(model, tokenizer, documents, cfg: Config, keep: list | None = None)
     n = cfg.n_samples
     sampled = dataclasses.replace(greedy, temperature=cfg.temperature)
     gen = engine.make_generator(cfg.seed, model)  # the same draws for every model compared
-    s_eps = _rollouts(model, tokenizer, docs, n, sampled, limits, ban=ban, generator=gen,
-                      what=f"samples x{n}") if n else []
-    s_scores = rewards.score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)), cfg.reward)
+    s_eps = engine.rollout(model, tokenizer, docs, n, sampled, limits, logits_processor=ban, generator=gen,
+                           progress=f"samples x{n}") if n else []
+    s_scores = rewards.Scorer(cfg.reward).score_batch(list(zip([d for d in docs for _ in range(n)], s_eps)))
     passed = [sum(bool(s["pass"]) for s in s_scores[i * n:(i + 1) * n]) for i in range(len(docs))] if n else []
     for k in KS:
         out[f"pass_at_{k}"] = common.mean(pass_at_k(n, c, k) for c in passed) if k <= n else math.nan
@@ -615,14 +609,14 @@ def missing_model_hint(path: str) -> str:
 def load_model(path: str, cfg: Config):
     if not Path(path).is_dir():
         raise SystemExit(missing_model_hint(path))
-    model, tok = modeling.load_trained(path, train=False, base=cfg.base)
+    model, tok = modeling.load_policy(modeling.trained_model_config(path, cfg.base), train=False)
     model.eval()
     return model, tok
 
 
 def evaluate_dir(path: str, documents, cfg: Config, keep: list | None = None,
                  traces: Sequence[sandbox.Episode] = ()) -> dict:
-    """Load a trained directory (`modeling.load_trained`, eval mode) and `evaluate` it;
+    """Load a trained directory (`modeling.trained_model_config`, eval mode) and `evaluate` it;
     with `traces`, its `decision_probe` on them too."""
     model, tok = load_model(path, cfg)
     dev = next(model.parameters()).device.type

@@ -371,11 +371,6 @@ def trained_model_config(path: str, base: ModelConfig | None = None) -> ModelCon
     return dataclasses.replace(base, name_or_path=name, adapter_path=str(p))
 
 
-def load_trained(path: str, train: bool = False, base: ModelConfig | None = None, device_name: str | None = None):
-    """(model, tokenizer) from a trained directory (see `trained_model_config`)."""
-    return load_policy(trained_model_config(path, base), train=train, device_name=device_name)
-
-
 def _load_unsloth(cfg: ModelConfig, train: bool):
     """Unsloth's FastLanguageModel (argument names as in Unsloth's GRPO notebooks);
     with fast_inference its vLLM engine shares the weights (`model.fast_generate`)."""

@@ -3,7 +3,7 @@
 - Trace JSONL: appended one document at a time and flushed, so a kill leaves
   whole lines plus at most one cut line (`repair_tail` removes it and the trace
   is made again); `--shard i/n` files and `merge`.
-- `tfidf_cosine`: the similarity synth_traces.py picks a search's support with
+- `tfidf_for(document).cosine`: the similarity synth_traces.py picks a search's support with
   and filter_traces.py's relevance gate checks a correction against.
 """
 from __future__ import annotations
@@ -46,12 +46,9 @@ class Tfidf:
 
 @functools.lru_cache(maxsize=256)
 def tfidf_for(document: str) -> Tfidf:
+    """TF-IDF vectors whose IDF comes from `document`'s sentences (cached per document):
+    `tfidf_for(document).cosine(a, b)`."""
     return Tfidf(sandbox.index_for(document).sentences)
-
-
-def tfidf_cosine(document: str, a: str, b: str) -> float:
-    """Cosine of `a` and `b` as TF-IDF vectors, IDF from `document`'s sentences."""
-    return tfidf_for(document).cosine(a, b)
 
 
 # ---------------------------------------------------------------------------

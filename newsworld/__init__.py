@@ -14,10 +14,11 @@ stage of the pipeline runs, and is checked, on a CPU with no data to download.
 - `tiny.py`: a BPE tokenizer trained on the world and tiny Llama presets (tiny-1m, ...).
 - `__main__.py`: the command line above.
 
-The library (factual_tools/) and the root modules import this package only inside
-the functions that serve a world feature (a tiny preset, the oracle backend, a
-generated corpus), and nothing here imports them back: a fork with its own data
-deletes this folder and the configs that name the world.
+The world is built on the library: it imports the root's `data` and `sandbox` and
+factual_tools' text modules (`textsplit`, `claims`, `common`). The library and the
+root modules import this package only inside the functions that serve a world
+feature (a tiny preset, the oracle backend, a generated corpus): a fork with its
+own data deletes this folder and the configs that name the world.
 """
 from newsworld.vocab import WORLD_VERSION, money
 from newsworld.world import FAMILIES, LONG_SPLIT_THRESHOLD, TASKS, documents, fresh_documents, world_document

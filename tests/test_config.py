@@ -5,6 +5,7 @@ annotation is a string, as in the scripts, so the loader must resolve them.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import math
@@ -631,6 +632,57 @@ def test_no_private_name_is_used_from_another_file():
                       if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in alias
                       and n.attr.startswith("_") and not n.attr.startswith("__")]
     assert not crossings, crossings
+
+
+def _forwards(fn: ast.FunctionDef, local: set[str], modules: set[str]) -> bool:
+    """Whether `fn`'s body (its docstring aside) is only `return f(...)` of a function of this
+    project whose arguments are its own parameters, their attributes, constants, comparisons of
+    those, or calls of this project's functions on them: nothing computed, only passed on."""
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value,
+                                                                                      ast.Constant) else fn.body
+    if fn.decorator_list or len(body) != 1 or not isinstance(body[0], ast.Return) \
+            or not isinstance(body[0].value, ast.Call):
+        return False
+    params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+
+    def ours(f) -> bool:
+        if isinstance(f, ast.Name):
+            return f.id in local
+        return isinstance(f, ast.Attribute) and (isinstance(f.value, ast.Name) and f.value.id in modules
+                                                 or isinstance(f.value, ast.Call) and passed_on(f.value))
+
+    def simple(a) -> bool:
+        a = a.value if isinstance(a, ast.Starred) else a
+        if isinstance(a, ast.Name):
+            return a.id in params
+        if isinstance(a, ast.Attribute):
+            return simple(a.value)
+        if isinstance(a, ast.Compare):
+            return simple(a.left) and all(simple(c) or isinstance(c, ast.Constant) for c in a.comparators)
+        return isinstance(a, ast.Constant) or isinstance(a, ast.Call) and passed_on(a)
+
+    def passed_on(call: ast.Call) -> bool:
+        return ours(call.func) and all(simple(a) for a in [*call.args, *(k.value for k in call.keywords)])
+
+    used = {n.id for n in ast.walk(body[0].value) if isinstance(n, ast.Name)}
+    return bool(params) and params <= used and passed_on(body[0].value)
+
+
+def test_no_function_only_forwards_to_another():
+    """A function whose whole body is `return other(its own arguments)` is a second name for one
+    thing (rewards.score_batch for Scorer.score_batch, modeling.load_trained for load_policy, once):
+    a reader follows one more hop for nothing. A decorator (a cache) or a computed argument is work."""
+    paths = [*ROOT.glob("*.py"), *ROOT.glob("factual_tools/*.py"), *ROOT.glob("newsworld/*.py")]
+    modules = {name.split(".")[-1] for name in import_graph()} | {"factual_tools", "newsworld"}
+    found = []
+    for p in paths:
+        tree = ast.parse(p.read_text())
+        aliases = {a.asname for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                   for a in n.names if a.asname and a.name.split(".")[-1] in modules}
+        local = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        found += [f"{p.name}:{n.lineno} {n.name}" for n in ast.walk(tree)
+                  if isinstance(n, ast.FunctionDef) and _forwards(n, local, modules | aliases)]
+    assert not found, found
 
 
 def test_no_function_takes_more_than_six_positional_parameters():

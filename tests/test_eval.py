@@ -95,7 +95,7 @@ def test_hallucinations_counted_by_the_oracle_on_the_news_world(backend):
     summaries = [d.summary for d in docs] + [_swap_number(d) for d in docs]
     docs2 = docs + docs
     cfg = E.Config(reward=rewards.RewardConfig(factuality=backend))
-    scores = rewards.score_batch(list(zip(docs2, summaries)), cfg.reward)
+    scores = rewards.Scorer(cfg.reward).score_batch(list(zip(docs2, summaries)))
     counts, errors = evaluation.error_counts(docs2, summaries, scores, cfg)
     assert counts == [0] * 4 + [1] * 4  # whatever the reward backend, the oracle counts
     assert all(e[0]["type"] == "number_change" for e in errors[4:])
@@ -106,7 +106,7 @@ def test_hallucinations_without_an_oracle_use_the_backend_claims():
     summaries = ["Acme Corp. reported revenue of $4.2 billion.",
                  "Acme Corp. reported revenue of $4.2 billion. Globex bought Initech for $9 trillion in Paris."]
     cfg = E.Config(reward=rewards.RewardConfig(factuality="lexical"))
-    scores = rewards.score_batch([(doc, s) for s in summaries], cfg.reward)
+    scores = rewards.Scorer(cfg.reward).score_batch([(doc, s) for s in summaries])
     counts, errors = evaluation.error_counts([doc, doc], summaries, scores, cfg)
     assert counts == [0, 1] and errors == [None, None]
 
@@ -495,8 +495,8 @@ def test_main_writes_every_metric_report_plots_and_samples(world, capsys):
 def test_no_samples_skips_the_sampled_pass_and_reports_pass_at_k_as_na(world, monkeypatch):
     root, _ = world
     calls = []
-    real = evaluation._rollouts
-    monkeypatch.setattr(evaluation, "_rollouts", lambda *a, **k: calls.append(k["what"]) or real(*a, **k))
+    real = evaluation.engine.rollout
+    monkeypatch.setattr(evaluation.engine, "rollout", lambda *a, **k: calls.append(k.get("progress") or "") or real(*a, **k))
     cfg = settings.load_config(E.Config, ["--config", str(root / "eval.yaml"), "name=greedy_only", "n_samples=0"])
     E.main(cfg)
     m = json.loads((root / "runs" / "greedy_only" / "eval.json").read_text())["models"][0]["metrics"]
@@ -614,7 +614,7 @@ def no_model(monkeypatch):
         raise AssertionError("a copying baseline loaded or ran a model")
 
     monkeypatch.setattr(evaluation, "load_model", refuse)
-    monkeypatch.setattr(evaluation.modeling, "load_trained", refuse)
+    monkeypatch.setattr(evaluation.modeling, "load_policy", refuse)
     monkeypatch.setattr(evaluation.engine, "rollout", refuse)
 
 

@@ -80,14 +80,14 @@ def test_relevance_tfidf_cosine_between_top_result_and_correction():
     good, lab = _corrective(doc)
     assert ft.relevance(good) >= 0.3
     sents = textsplit.split_sentences(doc.text)
-    worst = min(range(len(sents)), key=lambda i: traces.tfidf_cosine(doc.text, sents[i], lab["corrected_clause"]))
+    worst = min(range(len(sents)), key=lambda i: traces.tfidf_for(doc.text).cosine(sents[i], lab["corrected_clause"]))
     key = claims.rx_escape(" ".join(sents[worst].split()[:5]))
     assert sandbox.DocIndex(doc.text).search(f"/({key})/").hits[0] == worst
     bad, _ = _corrective(doc, key=key)
     assert ft.relevance(bad) < 0.3
     # function words do not make a result relevant, rare words (names, numbers) do
-    assert traces.tfidf_cosine(doc.text, "the a of in to", "the a of in to and") < traces.tfidf_cosine(
-        doc.text, sents[0], sents[0])
+    assert traces.tfidf_for(doc.text).cosine("the a of in to", "the a of in to and") < traces.tfidf_for(
+        doc.text).cosine(sents[0], sents[0])
     only = trace(f"{sents[0]}<search>/{claims.rx_escape(sents[0].split()[0])}/</search> More.", doc.text)
     assert ft.relevance(only) is None  # nothing corrected, nothing to score
 

@@ -228,25 +228,26 @@ def test_top_layers_adapts_only_the_last_layers_and_training_moves_only_them(tin
         ModelConfig(lora=LoraConfig(top_layers=-1))
 
 
-def test_load_trained_reads_full_weights_or_an_adapter_on_its_base(tiny_dir, tmp_path):
+def test_a_trained_directory_loads_as_full_weights_or_an_adapter_on_its_base(tiny_dir, tmp_path):
     model, tok = load_policy(_lora_cfg(tiny_dir), device_name="cpu")
     _train_step(model, _ids())
     model.save_pretrained(tmp_path / "adapter")
     ids = _ids(seed=1)
     with torch.no_grad():
         want = model(ids).logits
-    back, _ = modeling.load_trained(str(tmp_path / "adapter"), device_name="cpu")
-    assert modeling.trained_model_config(str(tmp_path / "adapter")).name_or_path == str(tiny_dir)
+    adapter = modeling.trained_model_config(str(tmp_path / "adapter"))
+    back, _ = load_policy(adapter, train=False, device_name="cpu")
+    assert adapter.name_or_path == str(tiny_dir)
     assert not back.training and not any(p.requires_grad for p in back.parameters())
     assert getattr(back, "peft_config", None) is None  # frozen: the adapter is merged into its base
     with torch.no_grad():
         assert torch.allclose(back(ids).logits, want, atol=1e-5)
-    trainable, _ = modeling.load_trained(str(tmp_path / "adapter"), train=True, device_name="cpu")
+    trainable, _ = load_policy(adapter, train=True, device_name="cpu")
     assert trainable.peft_config and any(p.requires_grad for p in trainable.parameters())  # training continues it
-    full, _ = modeling.load_trained(str(tiny_dir), device_name="cpu")
+    full, _ = load_policy(modeling.trained_model_config(str(tiny_dir)), train=False, device_name="cpu")
     assert getattr(full, "peft_config", None) is None
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        modeling.load_trained(str(tmp_path / "nowhere"))
+        load_policy(modeling.trained_model_config(str(tmp_path / "nowhere")))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):

@@ -470,7 +470,7 @@ def test_fenice_with_a_bert_classifier_truncates_to_its_positions(tmp_path):
 
 def test_fenice_backend_in_the_combined_reward(tiny_fenice):
     cfg = R.RewardConfig(factuality="fenice", fenice=tiny_fenice)
-    out = R.score_batch([(DOC, "Acme reported revenue of $4.2 billion.")] * 2, cfg)
+    out = R.Scorer(cfg).score_batch([(DOC, "Acme reported revenue of $4.2 billion.")] * 2)
     assert out[0]["factuality_backend"] == "fenice"
     assert out[0]["factuality"] == out[1]["factuality"]
     assert R.fenice_for(tiny_fenice) is R.fenice_for(dataclasses.replace(tiny_fenice))  # loaded once
@@ -573,14 +573,14 @@ def test_a_delete_of_a_right_sentence_costs_the_right_delete_penalty_and_of_a_wr
     assert oracle.oracle_errors(doc, wrong) and not oracle.oracle_errors(doc, right)
     cfg = R.RewardConfig(factuality=backend)
     cfg.tools.right_delete_penalty = 0.3
-    bare, fixed, ritual = R.score_batch([(doc, right), (doc, _retraction(doc, wrong, right)),
-                                        (doc, _retraction(doc, right, right))], cfg)
+    bare, fixed, ritual = R.Scorer(cfg).score_batch([(doc, right), (doc, _retraction(doc, wrong, right)),
+                                        (doc, _retraction(doc, right, right))])
     assert (bare["right_deletes"], fixed["right_deletes"], ritual["right_deletes"]) == (0, 0, 1)
     budget = cfg.tools.budget_per_call
     assert fixed["total"] == pytest.approx(bare["total"] - budget)  # the same summary, one call
     assert ritual["total"] == pytest.approx(bare["total"] - budget - 0.3)
     # off (the default): counted for the log, never charged
-    off = R.score_batch([(doc, _retraction(doc, right, right))], R.RewardConfig(factuality=backend))[0]
+    off = R.Scorer(R.RewardConfig(factuality=backend)).score_batch([(doc, _retraction(doc, right, right))])[0]
     assert off["right_deletes"] == 1 and off["total"] == pytest.approx(bare["total"] - budget)
 
 
@@ -597,9 +597,9 @@ def test_the_right_delete_penalty_only_ever_lowers_a_reward():
     on, off = R.RewardConfig(factuality="oracle"), R.RewardConfig(factuality="oracle")
     on.tools.right_delete_penalty = 0.5
     eps = [sandbox.replay(doc.text, t) for t in texts]
-    for a, b in zip(R.score_batch([(doc, e) for e in eps], on), R.score_batch([(doc, e) for e in eps], off)):
+    for a, b in zip(R.Scorer(on).score_batch([(doc, e) for e in eps]), R.Scorer(off).score_batch([(doc, e) for e in eps])):
         assert a["total"] == pytest.approx(b["total"] - 0.5 * a["right_deletes"])
-    assert any(r["right_deletes"] for r in R.score_batch([(doc, e) for e in eps], on))
+    assert any(r["right_deletes"] for r in R.Scorer(on).score_batch([(doc, e) for e in eps]))
 
 
 # ---------------------------------------------------------------------------
@@ -667,7 +667,7 @@ def test_score_has_every_component_and_the_documented_total():
                              '2024, up 12% from a year earlier, said chief executive Jane K. Doe.')
     ep.doc_id = "doc-1"
     cfg = R.RewardConfig(tools=R.ToolTermsConfig(w_match=0.2))
-    out = R.score_batch([(DOC, ep)], cfg, teacher={"doc-1": TEACHER})[0]
+    out = R.Scorer(cfg).score_batch([(DOC, ep)], teacher={"doc-1": TEACHER})[0]
     assert list(out) == KEYS
     rules = R.rule_scores(DOC, ep)
     assert out["rules"] == pytest.approx(sum(rules.values()) / len(R.RULES))
@@ -798,7 +798,7 @@ def test_delete_cap_lowers_the_reward():
 def test_score_batch_takes_documents_as_text_or_records():
     doc = next(iter(newsworld.documents(1, seed=0)))
     items = [(doc, doc.summary), (doc.text, doc.summary)]
-    a, b = R.score_batch(items)
+    a, b = R.Scorer().score_batch(items)
     assert {k: v for k, v in a.items()} == b
     assert a == R.score(doc, doc.summary)
 
