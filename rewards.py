@@ -12,9 +12,10 @@ The gate and the pass bonus close the reward's holes (a reward must not pay for 
 `F` comes from the backend `RewardConfig.factuality` names: "fenice" (factual_tools/fenice.py; torch
 and two HF models, loaded lazily), "lexical" (model-free, built for the news world's errors; not
 FENICE), "support" (the default: model-free, for real text), "learned" (a logistic regression, trained
-by factual_tools/factcheck.py, weights from `reward.learned.path`) or "oracle" (the news world's fact
-table). Each is reported under its own name (`BACKEND_NAMES`), so an approximation is never reported
-as FENICE.
+by factual_tools/factcheck.py, weights from `reward.learned.path`) or "oracle" (the fact table of the
+document world, `factual_tools.world`). The backends sit in one registry (`FACTUALITY_BACKENDS`,
+`register_factuality` adds one), each reported under its own name (`BACKEND_NAMES`), so an
+approximation is never reported as FENICE.
 
 Entry points (DESIGN.md section 10): `rule_scores`, `lexical_factuality`, `support_factuality`,
 `factuality_batch`, `score`, `Scorer.score_batch`, `tool_match`, `Curriculum`, `RewardConfig`.
@@ -39,7 +40,7 @@ from typing import Any, Callable, Iterable, Literal, NamedTuple
 import numpy as np
 
 import sandbox
-from factual_tools import claims, textsplit
+from factual_tools import claims, textsplit, world
 from factual_tools.claims import (
     LRU, NEGATIONS, STOPWORDS, Claim, DocInfo, Part, SummaryInfo, name_sentences, num_sentences, premises_of,
     stem_word, text_of, text_key,
@@ -54,8 +55,7 @@ RULES = ("length", "entities", "numbers", "repetition", "profanity", "tool_forma
 LEXICAL_NAME = "lexical (model-free approximation)"
 SUPPORT_NAME = "support (model-free, document-level word support)"
 LEARNED_NAME = "learned (logistic regression over model-free features)"
-BACKEND_NAMES = {"fenice": "fenice", "lexical": LEXICAL_NAME, "support": SUPPORT_NAME, "learned": LEARNED_NAME,
-                 "oracle": "oracle (news world fact table)"}
+BACKEND_NAMES: dict[str, str] = {}  # each factuality backend's reported name (`register_factuality`)
 Backend = Literal["fenice", "lexical", "support", "learned", "oracle"]  # a config's factuality key (every script)
 
 
@@ -654,9 +654,8 @@ def right_deletes(document: Any, episode: Any, factuality: str) -> int:
         return 0
     gone = [c.deleted for c in episode.calls if c.kind == "delete" and c.valid and c.deleted]
     if factuality == "oracle" and hasattr(document, "facts"):
-        from newsworld import oracle  # the news world's fact checker; imported only for this backend
-
-        return sum(not oracle.oracle_errors(document, t) for t in gone)
+        news = world.world("the oracle's right-delete check")
+        return sum(not news.errors(document, t) for t in gone)
     text = text_of(document)
     return sum(_unsupported(text, t) < 0.5 for t in gone)
 
@@ -801,6 +800,53 @@ def _doc_id(document: Any, episode: Any) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------
+# Factuality backends: one registry, each reported under its own name
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FactualityBackend:
+    """`score(scorer, documents, summaries, document infos, cfg)` -> one (F in [0, 1], details)
+    per summary (details: the claims or labels behind F, or None), reported under `name`."""
+    name: str
+    score: Callable[..., list[tuple[float, Any]]]
+
+
+FACTUALITY_BACKENDS: dict[str, FactualityBackend] = {}
+
+
+def register_factuality(key: str, name: str, score: Callable[..., list[tuple[float, Any]]]) -> None:
+    """Add a factuality backend under `key` (a config's `reward.factuality`; add it to `Backend`
+    too, which the configs are checked against)."""
+    FACTUALITY_BACKENDS[key] = FactualityBackend(name, score)
+    BACKEND_NAMES[key] = name
+
+
+def _oracle_factuality(scorer, docs, summaries, infos, cfg) -> list[tuple[float, Any]]:
+    news = world.world("factuality='oracle'")  # the world's fact table decides
+    out = []
+    for d, s in zip(docs, summaries):
+        if not hasattr(d, "facts"):
+            raise ValueError("factuality='oracle' needs data.Document items (with their fact table), "
+                             f"got {type(d).__name__}")
+        score = news.fact_precision if cfg.oracle_unit == "fact" else news.fact_score
+        out.append((float(score(d, s.text)), news.errors(d, s.text)))
+    return out
+
+
+register_factuality("lexical", LEXICAL_NAME, lambda scorer, docs, summaries, infos, cfg: [
+    lexical_details(d, s, cfg) for d, s in zip(infos, summaries)])
+register_factuality("support", SUPPORT_NAME, lambda scorer, docs, summaries, infos, cfg: [
+    support_details(d, s.text, cfg.support) for d, s in zip(docs, summaries)])
+register_factuality("learned", LEARNED_NAME, lambda scorer, docs, summaries, infos, cfg: [
+    (model.score(d, s.text), None) for model in (load_learned(cfg.learned.path),) for d, s in zip(docs, summaries)])
+register_factuality("fenice", "fenice", lambda scorer, docs, summaries, infos, cfg: [
+    (r["score"], r["claims"]) for r in scorer.fenice(cfg.fenice).score_batch([(text_of(d), s.text)
+                                                                               for d, s in zip(docs, summaries)])])
+register_factuality("oracle", "oracle (news world fact table)", _oracle_factuality)
+
+
 class Scorer:
     """Holds what outlives one batch: the curriculum (its tau decides "pass") and
     the FENICE models and caches. `score_batch` does not advance the curriculum:
@@ -824,41 +870,21 @@ class Scorer:
         self.curriculum.load_state_dict(state["curriculum"])
 
     def factuality(self, docs: list, summaries: list, infos: list, cfg: RewardConfig) -> list[tuple[float, Any]]:
-        if cfg.factuality == "lexical":
-            return [lexical_details(d, s, cfg) for d, s in zip(infos, summaries)]
-        if cfg.factuality == "support":
-            return [support_details(d, s.text, cfg.support) for d, s in zip(docs, summaries)]
-        if cfg.factuality == "learned":
-            model = load_learned(cfg.learned.path)
-            return [(model.score(d, s.text), None) for d, s in zip(docs, summaries)]
-        if cfg.factuality == "fenice":
-            res = self.fenice(cfg.fenice).score_batch([(text_of(d), s.text) for d, s in zip(docs, summaries)])
-            return [(r["score"], r["claims"]) for r in res]
-        if cfg.factuality == "oracle":
-            from newsworld import oracle  # the news world's fact checker; imported only for this backend
-
-            out = []
-            for d, s in zip(docs, summaries):
-                if not hasattr(d, "facts"):
-                    raise ValueError("factuality='oracle' needs data.Document items (with their fact table), "
-                                     f"got {type(d).__name__}")
-                score = oracle.oracle_fact_precision if cfg.oracle_unit == "fact" else oracle.oracle_fact_score
-                out.append((float(score(d, s.text)), oracle.oracle_errors(d, s.text)))
-            return out
-        raise ValueError(f"unknown factuality backend {cfg.factuality!r} (fenice, lexical, support, learned, oracle)")
+        if cfg.factuality not in FACTUALITY_BACKENDS:
+            raise ValueError(f"unknown factuality backend {cfg.factuality!r} ({', '.join(FACTUALITY_BACKENDS)})")
+        return FACTUALITY_BACKENDS[cfg.factuality].score(self, docs, summaries, infos, cfg)
 
     @staticmethod
     def coverage(docs: list, summaries: list, cfg: RewardConfig) -> list[float | None]:
         """Key-fact coverage per summary under `cfg.coverage` (None per summary without it)."""
         if not cfg.coverage:
             return [None] * len(docs)
-        from newsworld import oracle  # the key facts are the news world's fact table's
-
+        news = world.world("reward.coverage")  # the key facts are the world's fact table's
         for d in docs:
             if not getattr(d, "facts", None):
                 raise ValueError("reward.coverage needs news world documents with a fact table; "
                                  f"document {getattr(d, 'id', '?')!r} has none (set reward.coverage=false)")
-        return [oracle.key_fact_coverage(d, s.text) for d, s in zip(docs, summaries)]
+        return [news.key_fact_coverage(d, s.text) for d, s in zip(docs, summaries)]
 
     def score_batch(self, items: Iterable[tuple[Any, Any]], cfg: RewardConfig | None = None,
                     teacher: dict | None = None) -> list[dict]:

@@ -3,6 +3,7 @@
 Lower modules first (a module imports only those above it in this list, and the
 root's shared modules `sandbox`, `data` and `rewards` where they sit between):
 - `settings.py`: typed configs from YAML and key=value overrides, with clear errors.
+- `world.py`: what the library asks of a document world whose facts are known.
 - `textsplit.py`: sentence and clause splitting.
 - `common.py`: run directories, logging, checkpoints, seeds, devices, autocast.
 - `claims.py`: what a summary states (names, numbers, dates) and what supports it.

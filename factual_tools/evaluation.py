@@ -28,7 +28,7 @@ from tqdm import tqdm
 import data
 import rewards
 import sandbox
-from factual_tools import claims, common, engine, modeling, settings, textsplit
+from factual_tools import claims, common, engine, modeling, settings, textsplit, world
 
 TOOLS_BANNED = {"all": (), "no_search": ("<search", "</search"), "no_delete": ("<delete",),
                 "none": ("<search", "</search", "<delete")}
@@ -109,10 +109,9 @@ def error_counts(docs, summaries: list[str], scores: list[dict], cfg: Config) ->
     table) the oracle counts; otherwise the claims of `scores` (from
     `rewards.Scorer.score_batch`) that the backend scored below `cfg.claim_tau`."""
     if all(getattr(d, "facts", None) for d in docs):
-        from newsworld import oracle
-
         labelled = cfg.reward.factuality == "oracle"  # then score_batch's claims are the oracle's labels
-        errors = [s["claims"] if labelled else oracle.oracle_errors(d, x) for d, x, s in zip(docs, summaries, scores)]
+        oracle = None if labelled else world.world("the oracle's error count")
+        errors = [s["claims"] if labelled else oracle.errors(d, x) for d, x, s in zip(docs, summaries, scores)]
         return [len(e) for e in errors], errors
     counts = [len(unsupported_claims(s, cfg.claim_tau)) for s in scores]
     return counts, [None] * len(counts)
@@ -131,8 +130,7 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
     rebuilt by replaying the output up to the delete tag; the sentence is
     checked by the oracle, and the delete counts when an error span overlaps
     the retracted tail."""
-    from newsworld import oracle
-
+    oracle = world.world("the audit of right deletes")
     out, before = [], ""
     for t in ep.turns:
         c = t.call
@@ -142,7 +140,7 @@ def deleted_errors(doc, ep: sandbox.Episode, limits: dict | None = None) -> list
             gone = " ".join(c.deleted.split())
             last = sentences[-1] if sentences else gone
             start = len(last) - len(gone) if last.endswith(gone) else 0
-            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in oracle.oracle_errors(doc, last)]
+            spans = [(last.rfind(e["error_span"]), len(e["error_span"])) for e in oracle.errors(doc, last)]
             out.append(any(i >= 0 and i + n > start for i, n in spans))
         before += t.text + t.injected
     return out
@@ -155,14 +153,13 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
     - `text`, `index` (its position in the summary), `wrong` (the oracle finds an error);
     - `searched`, `deleted`: a search / delete call followed it before the next sentence;
     - `found`: some search after it returned an article sentence that states the
-      fact it is about (`oracle.oracle_support`), None when it is about no fact;
+      fact it is about (the world's `support`), None when it is about no fact;
     - `rewrite_wrong`: for a deleted sentence, whether the sentence written in its
       place is wrong (None when nothing was written there).
 
     A call belongs to the last sentence of the summary just before the call (the
     episode replayed up to the call); a delete retracts that sentence."""
-    from newsworld import oracle
-
+    oracle = world.world("the per-sentence tool audit")
     events: list[dict] = []
     before = ""
     for t in ep.turns:
@@ -187,8 +184,8 @@ def sentence_events(doc, ep: sandbox.Episode, limits: dict | None = None) -> lis
     events += [{"index": i, "text": s, "searched": False, "deleted": False, "hits": []}
                for i, s in enumerate(final) if (i, s) not in kept]
     for e in events:
-        e["wrong"] = bool(oracle.oracle_errors(doc, e["text"]))
-        support = oracle.oracle_support(doc, e["text"])
+        e["wrong"] = bool(oracle.errors(doc, e["text"]))
+        support = oracle.support(doc, e["text"])
         e["found"] = bool(set(support) & set(e["hits"])) if support and e["searched"] else None
     for k, e in enumerate(events):
         if e["deleted"]:
@@ -235,12 +232,11 @@ def news_world_metrics(docs, eps: Sequence[sandbox.Episode], errors: Sequence[li
                        ) -> dict[str, float]:
     """The oracle's view of greedy episodes: fact precision (supported names,
     numbers and dates over those stated), the share of summaries stating none
-    (`no_fact_rate`), key-fact coverage (`oracle.key_fact_coverage`: the share of the
+    (`no_fact_rate`), key-fact coverage (the world's `key_fact_coverage`: the share of the
     reference's key facts a summary states right, averaged; whatever `reward.coverage`
     says), the tool decision (`tool_decision`),
     and fact precision and hallucination rate per event family (`fam_<family>_...`)."""
-    from newsworld import oracle
-
+    oracle = world.world("the news-world metrics")
     stated = [oracle.stated_facts(d, e.summary) for d, e in zip(docs, eps)]
     out = {"fact_precision": common.mean(f["supported"] for fs in stated for f in fs),
            "facts_stated": common.mean(len(fs) for fs in stated),
@@ -640,7 +636,7 @@ def lead_3_text(doc, cfg: Config) -> str:
 def best_extract_text(doc, cfg: Config) -> str:
     """best-extract: the set of at most three whole article sentences within the eval's word
     budget (`reward.rules.max_words`) whose key-fact coverage is highest, chosen with the
-    oracle's knowledge of the key facts (`newsworld.oracle.best_extract`). Needs the news
+    oracle's knowledge of the key facts (the world's `best_extract`). Needs the news
     world's fact table: a document without one is a `data.DataError` naming it."""
     if not getattr(doc, "facts", None):
         raise data.DataError(
@@ -648,9 +644,7 @@ def best_extract_text(doc, cfg: Config) -> str:
             f"(within reward.rules.max_words={cfg.reward.rules.max_words} words); document "
             f"{getattr(doc, 'id', '?')!r} of {cfg.docs} has none: leave best-extract out of --compare "
             "(lead-3 needs only the text)")
-    from newsworld import oracle  # the oracle's choice of sentences: a news world feature
-
-    return oracle.best_extract(doc, cfg.reward.rules.max_words)
+    return world.world("the best-extract baseline").best_extract(doc, cfg.reward.rules.max_words)
 
 
 # The copying baselines eval.py evaluates as rows beside the models: name -> function(document,

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-import rewards as R
+import rewards
+from factual_tools import world
 
 # Ridge strength per standardised feature: the support score enters freely, the
 # missing-word count and the same-sentence support as corrections (chosen by the
@@ -50,7 +51,7 @@ import rewards as R
 L2 = (0.0, 30.0, 30.0)
 
 
-def fit(X, y, w=None, l2=L2, iters: int = 50) -> R.LearnedModel:
+def fit(X, y, w=None, l2=L2, iters: int = 50) -> rewards.LearnedModel:
     """Weighted ridge logistic regression by Newton's method (the problem is
     tiny); `y` may be soft (a share in [0, 1]); `l2` per feature."""
     X, y = np.asarray(X, float), np.asarray(y, float)
@@ -68,30 +69,28 @@ def fit(X, y, w=None, l2=L2, iters: int = 50) -> R.LearnedModel:
         beta -= step
         if np.abs(step).max() < 1e-8:
             break
-    return R.LearnedModel(mean, std, beta[:-1], beta[-1])
+    return rewards.LearnedModel(mean, std, beta[:-1], beta[-1])
 
 
 def newsworld_pairs(n_docs: int, seed: int = 7) -> list[tuple]:
     """(document, summary, target) from the news world: the reference and two
     drafts per document, the target the oracle's share of sentences with no
     error (FRANK's human score is the same share, by annotators)."""
-    import newsworld
-    from newsworld import oracle
-
+    news = world.world("training the learned scorer on the news world")
     rng = random.Random(seed)
     out = []
-    for doc in newsworld.documents(n_docs, seed=seed):
-        for summary in (doc.summary, oracle.draft(doc, rng)[0], oracle.draft(doc, rng)[0]):
-            out.append((doc, summary, float(oracle.oracle_fact_score(doc, summary))))
+    for doc in news.documents(n_docs, seed=seed):
+        for summary in (doc.summary, news.draft(doc, rng)[0], news.draft(doc, rng)[0]):
+            out.append((doc, summary, float(news.fact_score(doc, summary))))
     return out
 
 
-def train(frank: str | None, n_newsworld: int) -> R.LearnedModel:
+def train(frank: str | None, n_newsworld: int) -> rewards.LearnedModel:
     """Fit on the news world and, given `frank`, the dev split of those records
     (target: the human score, the share of sentences without an error)."""
     X, y, counts = [], [], {}
     for doc, summary, target in newsworld_pairs(n_newsworld):
-        X.append(R.learned_features(doc, summary))
+        X.append(rewards.learned_features(doc, summary))
         y.append(target)
         counts["newsworld"] = counts.get("newsworld", 0) + 1
     if frank:
@@ -110,7 +109,7 @@ def train(frank: str | None, n_newsworld: int) -> R.LearnedModel:
 def dev_pairs(frank: str) -> list[tuple]:
     """(source, doc_id, features, human score, label) of the dev split of `frank`'s records."""
     factuality_data = _bench("factuality_data")
-    return [(r["source"], r["doc_id"], R.learned_features(r["document"], r["summary"]), r["human"], r["label"])
+    return [(r["source"], r["doc_id"], rewards.learned_features(r["document"], r["summary"]), r["human"], r["label"])
             for r in factuality_data.load(frank) if r["split"] == "dev"]
 
 
@@ -158,13 +157,13 @@ def main(argv=None) -> None:
     t = sub.add_parser("train", help="fit the scorer and write its weights")
     t.add_argument("--frank", help="records in bench/factuality.py's format; only split=dev is used")
     t.add_argument("--newsworld", type=int, default=300, help="news world documents (3 summaries each)")
-    t.add_argument("--out", default=R.LearnedConfig().path)
+    t.add_argument("--out", default=rewards.LearnedConfig().path)
     c = sub.add_parser("cv", help="cross-validate this design on the dev split alone (the test split is never read)")
     c.add_argument("--frank", required=True, help="records in bench/factuality.py's format")
     c.add_argument("--newsworld", type=int, default=300)
     args = ap.parse_args(argv)
     if args.cmd == "cv":
-        news = [(R.learned_features(d, s), t) for d, s, t in newsworld_pairs(args.newsworld)]
+        news = [(rewards.learned_features(d, s), t) for d, s, t in newsworld_pairs(args.newsworld)]
         for source, row in cross_validate(dev_pairs(args.frank), news).items():
             print(f"{source:8s} " + "  ".join(f"{n} ba {b:.3f} tau {t:.3f}" for n, (b, t) in row.items()))
         return
@@ -174,7 +173,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(model.to_json(), indent=1) + "\n")
     print(f"wrote {out}: trained on {model.meta['trained_on']}")
-    for name, c in sorted(zip(R.LEARNED_FEATURES, model.coef), key=lambda x: -abs(x[1])):
+    for name, c in sorted(zip(rewards.LEARNED_FEATURES, model.coef), key=lambda x: -abs(x[1])):
         print(f"  {name:20s} {c:+.3f}")
 
 

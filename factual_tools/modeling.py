@@ -21,7 +21,7 @@ import logging
 from typing import Any, Literal
 
 
-from factual_tools import common
+from factual_tools import common, world
 from factual_tools.settings import ConfigError
 
 # bitsandbytes, which peft imports, warns on every CPU that the optional `kernels` package
@@ -127,13 +127,8 @@ def resolve_model_path(name_or_path: str) -> str:
         return name_or_path
     if name_or_path in PRETRAINED_PRESETS:
         return str(build_pretrained_model(name_or_path, PRESET_MODELS_DIR / name_or_path))
-    try:  # the built-in news world's tiny models; a fork that dropped the world has none
-        from newsworld import tiny  # the world imports nothing of this module: no cycle
-    except ModuleNotFoundError as e:
-        if e.name != "newsworld":
-            raise
-        return name_or_path
-    if name_or_path in tiny.TINY_PRESETS:
+    tiny = world.find()  # the built-in news world's tiny models; a fork that dropped the world has none
+    if tiny is not None and name_or_path in tiny.tiny_presets:
         return str(tiny.build_tiny_model(name_or_path, PRESET_MODELS_DIR / name_or_path))
     return name_or_path
 

@@ -28,7 +28,7 @@ from typing import Literal, Sequence
 
 import data
 import sandbox
-from factual_tools import common, modeling, settings, textsplit
+from factual_tools import common, modeling, settings, textsplit, world
 
 # USD per million tokens; list prices at the time of writing: check them against your provider.
 DEFAULT_PRICES = {
@@ -517,13 +517,12 @@ class OracleAnnotator:
         self.teacher = None
 
     def annotate_many(self, pairs: Sequence[tuple[data.Document, str]]) -> list[Annotation]:
-        from newsworld import oracle  # the built-in world's fact checker: only its documents get here
-
+        oracle = world.world("the oracle teacher")
         out = []
         for doc, summary in pairs:
             if not doc.facts:
                 raise data.DataError(f"document {doc.id!r} has no fact table: the oracle needs news world documents")
-            out.append(Annotation(labels=oracle.oracle_errors(doc, summary)))
+            out.append(Annotation(labels=oracle.errors(doc, summary)))
         return out
 
 
@@ -628,14 +627,13 @@ def correction_steps(ep: sandbox.Episode) -> tuple[list[dict], list[int]]:
 def oracle_flags(doc: data.Document, sentences: Sequence[str]) -> list[bool]:
     """Whether the oracle finds an error in each sentence, in one oracle call when the joined text splits back
     into the same sentences (the oracle's per-call set-up dominates its cost)."""
-    from newsworld import oracle  # the built-in world's fact checker: only its documents get here
-
+    oracle = world.world("the oracle's sentence flags")
     sentences = [" ".join(s.split()) for s in sentences]
     joined = " ".join(sentences)
     if textsplit.split_sentences(joined) == sentences:
-        flagged = {lab["sentence_index"] for lab in oracle.oracle_errors(doc, joined)}
+        flagged = {lab["sentence_index"] for lab in oracle.errors(doc, joined)}
         return [i in flagged for i in range(len(sentences))]
-    return [bool(oracle.oracle_errors(doc, s)) for s in sentences]
+    return [bool(oracle.errors(doc, s)) for s in sentences]
 
 
 def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
@@ -644,8 +642,7 @@ def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
     A delete is justified when the retracted text had an oracle error, its
     correction when it has none, a search before a delete when it found
     something, a search-only search when the sentence before it was right."""
-    from newsworld import oracle  # the built-in world's fact checker: only its documents get here
-
+    oracle = world.world("the oracle judge")
     checks = []  # (text the oracle checks or None, should it be wrong, verdict without text, quote, why, why not)
     steps, only = correction_steps(ep)
 
@@ -665,7 +662,7 @@ def oracle_judge(doc: data.Document, ep: sandbox.Episode) -> dict:
         sent = (textsplit.split_sentences(body(ep.turns[k])) or [""])[-1]
         checks.append((sent or None, False, False, quote(k), "checked a right sentence", "kept a wrong sentence"))
     if not checks:
-        ok = not oracle.oracle_errors(doc, ep.summary)
+        ok = not oracle.errors(doc, ep.summary)
         return {"score": float(ok), "evidence": [{"span": ep.summary[:80], "why": "no tool use; the summary is "
                                                   + ("right" if ok else "wrong")}]}
     texts = [c[0] for c in checks if c[0]]

@@ -19,7 +19,7 @@ import torch
 
 import data
 import sandbox
-from factual_tools import common, scoring, textsplit
+from factual_tools import common, scoring, textsplit, world
 
 
 @dataclass
@@ -198,14 +198,12 @@ def tokenize_episodes(episodes, tokenizer, max_tokens: int) -> tuple[list[sandbo
 
 
 def load_documents(cfg: DocumentData) -> tuple[list, list, str]:
-    """(train, eval, how they were obtained)."""
-    import newsworld  # the built-in world: generated and fresh documents
-
+    """(train, eval, how they were obtained); generated and fresh documents are the world's."""
     path = Path(cfg.train)
     if path.exists():
         docs, how = data.read_documents(cfg.train), f"{cfg.train}"
     elif cfg.generate:
-        docs = list(newsworld.documents(cfg.generate, seed=cfg.world_seed, task=cfg.task))
+        docs = list(world.world("data.generate").documents(cfg.generate, seed=cfg.world_seed, task=cfg.task))
         how = f"{cfg.train} missing: {cfg.generate} news-world documents generated in memory (seed {cfg.world_seed})"
     else:
         raise SystemExit(f"data.train={cfg.train}: no such file (write one with `python -m newsworld generate "
@@ -226,13 +224,13 @@ def load_documents(cfg: DocumentData) -> tuple[list, list, str]:
             raise SystemExit(f"data.validation_seed={cfg.validation_seed} is data.fresh_seed: validation documents "
                              "would be training documents")
         if cfg.validation:
-            held, skipped = newsworld.fresh_documents(cfg.validation, cfg.validation_seed,
-                                                      data.held_out_guard(docs, manifest, cfg.split), cfg.task)
+            held, skipped = world.world("data.validation").fresh_documents(
+                cfg.validation, cfg.validation_seed, data.held_out_guard(docs, manifest, cfg.split), cfg.task)
             how += (f"; held-out: {len(held)} fresh validation documents (world seed {cfg.validation_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped), not the eval pool")
         if cfg.fresh:
-            train, skipped = newsworld.fresh_documents(cfg.fresh, cfg.fresh_seed,
-                                                       data.held_out_guard(docs, manifest, cfg.split), cfg.task)
+            train, skipped = world.world("data.fresh").fresh_documents(
+                cfg.fresh, cfg.fresh_seed, data.held_out_guard(docs, manifest, cfg.split), cfg.task)
             how += (f"; training on {len(train)} fresh news-world documents (world seed {cfg.fresh_seed}; "
                     f"{len(skipped)} near-duplicates of held-out clusters skipped)")
     elif cfg.fresh or cfg.validation:
@@ -241,5 +239,6 @@ def load_documents(cfg: DocumentData) -> tuple[list, list, str]:
     else:
         train = docs
         if held is None and not path.exists():
-            held = list(newsworld.documents(max(1, cfg.generate // 10), seed=cfg.world_seed + 1, task=cfg.task))
+            n_held = max(1, cfg.generate // 10)
+            held = list(world.world("data.generate").documents(n_held, seed=cfg.world_seed + 1, task=cfg.task))
     return train, held or [], how

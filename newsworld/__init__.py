@@ -14,11 +14,14 @@ stage of the pipeline runs, and is checked, on a CPU with no data to download.
 - `tiny.py`: a BPE tokenizer trained on the world and tiny Llama presets (tiny-1m, ...).
 - `__main__.py`: the command line above.
 
+- `hooks.py`: the world's features as the library asks for them (`factual_tools.world`).
+
 The world is built on the library: it imports the root's `data` and `sandbox` and
 factual_tools' text modules (`textsplit`, `claims`, `common`). The library and the
-root modules import this package only inside the functions that serve a world
-feature (a tiny preset, the oracle backend, a generated corpus): a fork with its
-own data deletes this folder and the configs that name the world.
+shared root modules never import it: they ask `factual_tools.world`, which loads
+`hooks.py` by name when a world feature (a tiny preset, the oracle backend, a
+generated corpus) is first asked for. A fork with its own data deletes this folder
+and the configs that name the world; a world feature then names itself in an error.
 """
 from newsworld.vocab import WORLD_VERSION, money
 from newsworld.world import FAMILIES, LONG_SPLIT_THRESHOLD, TASKS, documents, fresh_documents, world_document

@@ -519,7 +519,7 @@ SCRIPTS = {"synth_traces", "filter_traces", "sft", "rl", "eval", "distill", "tea
 # The library's layers, lowest first: a module imports, at module level, only modules of the
 # layers below it. The root's shared modules sit between library layers.
 LAYERS = [
-    {"factual_tools.settings", "factual_tools.textsplit"},
+    {"factual_tools.settings", "factual_tools.textsplit", "factual_tools.world"},
     {"factual_tools.common", "sandbox", "data"},
     {"factual_tools.claims", "factual_tools.modeling"},
     {"factual_tools.fenice", "factual_tools.vram", "factual_tools.engine"},
@@ -591,6 +591,52 @@ def test_the_news_world_is_one_folder_the_rest_imports_only_inside_functions():
         else:
             assert not top & world, (name, sorted(top & world))
 
+
+
+def test_the_library_never_imports_the_news_world():
+    """The library and the shared modules ask factual_tools.world for a world feature and import
+    no world, not even inside a function: the world registers itself (newsworld/hooks.py)."""
+    graph = import_graph()
+    library = set().union(*LAYERS)
+    world = {m for m in graph if m.split(".")[0] == "newsworld"}
+    found = {name: sorted((top | inner) & world) for name, (top, inner) in graph.items()
+             if name in library and (top | inner) & world}
+    assert not found, found
+
+
+def test_without_the_world_its_features_name_themselves_and_the_rest_runs(tmp_path, monkeypatch):
+    """A fork that deleted newsworld/: a world feature fails naming what asked, a preset name that
+    is not a path passes through, and documents from a file load."""
+    import data
+    from factual_tools import modeling, training, world
+
+    monkeypatch.setattr(world, "BUILTIN", "no_world_here.hooks")
+    monkeypatch.setattr(world, "_registered", None)
+    assert world.find() is None
+    with pytest.raises(SystemExit, match=r"reward\.coverage needs a document world.*no_world_here/"):
+        world.world("reward.coverage")
+    assert modeling.resolve_model_path("tiny-1m") == "tiny-1m"
+    doc = data.Document(id="d1", text="Acme sold 3 mills. Its chief said so.", summary="Acme sold 3 mills.")
+    data.write_jsonl(str(tmp_path / "docs.jsonl"), [doc])
+    train, held, _ = training.load_documents(training.DocumentData(train=str(tmp_path / "docs.jsonl"), split=""))
+    assert [d.id for d in train] == ["d1"] and held == []
+    with pytest.raises(SystemExit, match="data.generate needs a document world"):
+        training.load_documents(training.DocumentData(train=str(tmp_path / "none.jsonl"), split="", generate=4))
+
+
+def test_a_registered_world_is_the_one_the_oracle_backend_asks(monkeypatch):
+    import dataclasses
+
+    import data
+    import rewards
+    from factual_tools import world
+
+    builtin = world.world("this test")
+    stub = dataclasses.replace(builtin, name="stub", fact_score=lambda d, s: 0.25, errors=lambda d, s: [])
+    monkeypatch.setattr(world, "_registered", stub)
+    doc = data.Document(id="d1", text="Acme sold 3 mills.", summary="Acme sold 3 mills.", facts=[{"x": 1}])
+    cfg = rewards.RewardConfig(factuality="oracle", oracle_unit="sentence")
+    assert rewards.Scorer(cfg).score_batch([(doc, "Acme sold 3 mills.")])[0]["factuality"] == 0.25
 
 def test_there_is_no_import_cycle_even_through_imports_inside_functions():
     graph = {m: top | inner for m, (top, inner) in import_graph().items()}
