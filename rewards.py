@@ -805,21 +805,15 @@ def _doc_id(document: Any, episode: Any) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FactualityBackend:
-    """`score(scorer, documents, summaries, document infos, cfg)` -> one (F in [0, 1], details)
-    per summary (details: the claims or labels behind F, or None), reported under `name`."""
-    name: str
-    score: Callable[..., list[tuple[float, Any]]]
-
-
-FACTUALITY_BACKENDS: dict[str, FactualityBackend] = {}
+# key -> score(scorer, documents, summaries, document infos, cfg): one (F in [0, 1], details) per
+# summary (details: the claims or labels behind F, or None); its reported name is BACKEND_NAMES[key]
+FACTUALITY_BACKENDS: dict[str, Callable[..., list[tuple[float, Any]]]] = {}
 
 
 def register_factuality(key: str, name: str, score: Callable[..., list[tuple[float, Any]]]) -> None:
     """Add a factuality backend under `key` (a config's `reward.factuality`; add it to `Backend`
-    too, which the configs are checked against)."""
-    FACTUALITY_BACKENDS[key] = FactualityBackend(name, score)
+    too, which the configs are checked against), reported as `name`."""
+    FACTUALITY_BACKENDS[key] = score
     BACKEND_NAMES[key] = name
 
 
@@ -872,7 +866,7 @@ class Scorer:
     def factuality(self, docs: list, summaries: list, infos: list, cfg: RewardConfig) -> list[tuple[float, Any]]:
         if cfg.factuality not in FACTUALITY_BACKENDS:
             raise ValueError(f"unknown factuality backend {cfg.factuality!r} ({', '.join(FACTUALITY_BACKENDS)})")
-        return FACTUALITY_BACKENDS[cfg.factuality].score(self, docs, summaries, infos, cfg)
+        return FACTUALITY_BACKENDS[cfg.factuality](self, docs, summaries, infos, cfg)
 
     @staticmethod
     def coverage(docs: list, summaries: list, cfg: RewardConfig) -> list[float | None]:

@@ -53,8 +53,8 @@ def world(feature: str) -> World:
     found = find()
     if found is None:
         raise SystemExit(f"{feature} needs a document world whose facts are known, and there is none: the "
-                         f"built-in news world ({BUILTIN.split('.')[0]}/) is not here. Restore it, or register a world of your "
-                         "own (factual_tools.world.register) before the run starts.")
+                         f"built-in news world ({BUILTIN.split('.')[0]}/) is not here. Restore it, or register "
+                         "a world of your own (factual_tools.world.register) before the run starts.")
     return found
 
 
