@@ -308,6 +308,11 @@ def summary_episode(document: str, summary: str, doc_id: str | None) -> sandbox.
     return ep
 
 
+def reference_episodes(docs, tokenizer) -> list[sandbox.Episode]:
+    """Each document's reference summary as a tool-free episode, tokenised: the base stage's corpus."""
+    return [summary_episode(d.text, d.summary, d.id).tokenized(tokenizer) for d in docs]
+
+
 def strip_tools(episodes) -> tuple[list[sandbox.Episode], int]:
     """Each trace as a tool-free episode whose one turn is its final summary (`ep.summary`:
     no tool call, no results, no retracted text), on the same document, doc_id and meta:
@@ -356,7 +361,7 @@ class WorldStream:
         return out
 
     def episodes(self, m: int, tokenizer) -> list[sandbox.Episode]:
-        return [summary_episode(d.text, d.summary, d.id).tokenized(tokenizer) for d in self.documents(m)]
+        return reference_episodes(self.documents(m), tokenizer)
 
 
 def base_data(cfg: SFTData, tokenizer, n_eval: int) -> tuple[object, list[sandbox.Episode], list]:
@@ -377,7 +382,7 @@ def base_data(cfg: SFTData, tokenizer, n_eval: int) -> tuple[object, list[sandbo
         evals = data.pool_documents(docs, manifest, "eval", cfg.split)[:n_eval]
     except (data.DataError, data.LeakError) as e:
         raise SystemExit(f"error: {e}") from None
-    return guard, [summary_episode(d.text, d.summary, d.id).tokenized(tokenizer) for d in evals], evals
+    return guard, reference_episodes(evals, tokenizer), evals
 
 
 def mix_rejection(base: list, passed: list, ratio: float, seed: int = 0) -> list:
