@@ -183,7 +183,8 @@ def wandb_history(run_dir) -> list[dict]:
     """The history rows ({key: value}) of the offline W&B run in `run_dir`. wandb writes
     the LevelDB log format: a 7-byte file header, then 32 KiB blocks of chunks, each
     with a 7-byte header (crc32, little-endian length, type: 1 full, 2 first, 3 middle,
-    4 last) around a serialised `wandb_internal_pb2.Record`."""
+    4 last) around a serialised `wandb_internal_pb2.Record`. A record still being written
+    (its chunk runs past the file's end) is left out; the caller polls until it lands."""
     import glob
     import struct
 
@@ -198,6 +199,8 @@ def wandb_history(run_dir) -> list[dict]:
                 pos += block - pos % block
                 continue
             length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+            if kind == 0 or pos + 7 + length > len(data):  # wandb's service is still writing this chunk
+                break
             record += data[pos + 7:pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):
