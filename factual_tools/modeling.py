@@ -98,7 +98,8 @@ def build_pretrained_model(preset: str, out_dir: str | os.PathLike) -> Path:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = type(loaded)(config)
+    with torch.random.fork_rng(devices=[]):  # the caller's seeded stream (LoRA's init) is left as it was
+        model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.tie_weights()
     end = tok.convert_tokens_to_ids(spec["turn_end"])

@@ -69,6 +69,16 @@ def test_the_preset_is_converted_once_with_the_turn_end_as_eos(smol):
     assert engine.stop_ids(tok) == [2]  # the GGUF named <|im_start|> (1) as eos: a turn would never end
 
 
+def test_converting_the_preset_leaves_the_callers_random_stream_as_it_was(tmp_path):
+    """A first run converts the preset, a second finds it converted: both must then draw the
+    same LoRA initialisation from the seed the script set."""
+    torch.manual_seed(0)
+    modeling.build_pretrained_model("smollm2-135m", tmp_path / "smollm2")
+    drawn = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.rand(4))
+
+
 def test_a_missing_wheel_names_the_install_command(monkeypatch):
     import importlib.util
 
