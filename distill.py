@@ -84,6 +84,9 @@ class DistillEval:
     max_new_tokens: int = 160
     factuality: rewards.Backend = "oracle"  # backend of the reported factuality
 
+    def __post_init__(self):
+        rewards.check_backend(self.factuality, "eval.factuality")
+
 
 @dataclass
 class Config:

@@ -77,6 +77,9 @@ class Config:
     split: SplitConfig = field(default_factory=SplitConfig)
     spot_check: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
+    def __post_init__(self):
+        rewards.check_backend(self.factuality, "factuality")
+
 
 # ---------------------------------------------------------------------------
 # Gates (pure functions, one trace at a time)

@@ -46,6 +46,7 @@ from factual_tools.claims import (
     stem_word, text_of, text_key,
 )
 from factual_tools.fenice import Fenice, FeniceConfig
+from factual_tools.settings import ConfigError
 
 # ---------------------------------------------------------------------------
 # Configuration
@@ -56,7 +57,14 @@ LEXICAL_NAME = "lexical (model-free approximation)"
 SUPPORT_NAME = "support (model-free, document-level word support)"
 LEARNED_NAME = "learned (logistic regression over model-free features)"
 BACKEND_NAMES: dict[str, str] = {}  # each factuality backend's reported name (`register_factuality`)
-Backend = Literal["fenice", "lexical", "support", "learned", "oracle"]  # a config's factuality key (every script)
+Backend = str  # a config's factuality key: a key of FACTUALITY_BACKENDS (`check_backend`)
+
+
+def check_backend(key: str, where: str) -> None:
+    """Stop a config whose factuality key (`where`) names no registered backend."""
+    if key not in BACKEND_NAMES:
+        raise ConfigError(f"{where}={key!r} is no factuality backend; registered: {', '.join(sorted(BACKEND_NAMES))} "
+                         "(rewards.register_factuality adds one)")
 
 
 def _rule_map(values: dict[str, float], defaults: dict[str, float], what: str) -> dict[str, float]:
@@ -178,6 +186,9 @@ class RewardConfig:
     fenice: FeniceConfig = field(default_factory=FeniceConfig)
     tools: ToolTermsConfig = field(default_factory=ToolTermsConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+
+    def __post_init__(self):
+        check_backend(self.factuality, "reward.factuality")
 
 
 # ---------------------------------------------------------------------------
@@ -811,8 +822,8 @@ FACTUALITY_BACKENDS: dict[str, Callable[..., list[tuple[float, Any]]]] = {}
 
 
 def register_factuality(key: str, name: str, score: Callable[..., list[tuple[float, Any]]]) -> None:
-    """Add a factuality backend under `key` (a config's `reward.factuality`; add it to `Backend`
-    too, which the configs are checked against), reported as `name`."""
+    """Add a factuality backend under `key` (a config's `reward.factuality`, checked against the
+    registered keys when the config is built), reported as `name`."""
     FACTUALITY_BACKENDS[key] = score
     BACKEND_NAMES[key] = name
 

@@ -971,3 +971,17 @@ def test_every_long_task_phase_shares_one_reward(path):
     own = dataclasses.asdict(load_config_file(path).reward)
     changed = {k for k in shared if shared[k] != own[k]}
     assert changed == _PHASE_REWARD_CHANGES.get(os.path.basename(path), set()), changed
+
+
+def test_a_registered_factuality_backend_needs_no_edit_of_the_library(monkeypatch):
+    """A fork adds its own scorer under a new key; configs accept it and the reward uses it."""
+    monkeypatch.setattr(R, "FACTUALITY_BACKENDS", dict(R.FACTUALITY_BACKENDS))
+    monkeypatch.setattr(R, "BACKEND_NAMES", dict(R.BACKEND_NAMES))
+    R.register_factuality("half", "always one half", lambda scorer, docs, summaries, infos, cfg: [
+        (0.5, None) for _ in summaries])
+    cfg = R.RewardConfig(factuality="half")
+    (row,) = R.Scorer(cfg).score_batch([("Acme grew 5% in 2020.", "Acme grew 5% in 2020.")])
+    assert row["factuality"] == 0.5 and row["factuality_backend"] == "always one half"
+    with pytest.raises(ValueError, match=r"reward.factuality='suport'.*fenice, half, learned, lexical, oracle, "
+                                         r"support.*register_factuality"):
+        R.RewardConfig(factuality="suport")
