@@ -62,9 +62,9 @@ Backend = str  # a config's factuality key: a key of FACTUALITY_BACKENDS (`check
 
 def check_backend(key: str, where: str) -> None:
     """Stop a config whose factuality key (`where`) names no registered backend."""
-    if key not in BACKEND_NAMES:
-        raise ConfigError(f"{where}={key!r} is no factuality backend; registered: {', '.join(sorted(BACKEND_NAMES))} "
-                         "(rewards.register_factuality adds one)")
+    if key not in FACTUALITY_BACKENDS:  # the registry the scorer looks the key up in
+        raise ConfigError(f"{where}={key!r} is no factuality backend; registered: "
+                          f"{', '.join(sorted(FACTUALITY_BACKENDS))} (rewards.register_factuality adds one)")
 
 
 def _rule_map(values: dict[str, float], defaults: dict[str, float], what: str) -> dict[str, float]:
