@@ -525,9 +525,7 @@ class _Batch:
         shared = cache.pkeys is not None
         lens = [self.lens[i] for i in rows]
         base = [cache.base[i] for i in rows] if shared else [0] * n
-        ids = torch.full((n, w), self.pad_id, dtype=torch.long)
-        for r, c in enumerate(chunks):
-            ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+        ids = torch.tensor([list(c) + [self.pad_id] * (w - len(c)) for c in chunks], dtype=torch.long)  # one copy
         write = torch.tensor(lens, dtype=torch.long)[:, None] + torch.arange(w)  # (n, W): RoPE positions
         slots = (write - torch.tensor(base, dtype=torch.long)[:, None]).to(self.dev)  # (n, W): the row's own slots
         kv_len = max(a - b for a, b in zip(lens, base)) + w
