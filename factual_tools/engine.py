@@ -342,6 +342,7 @@ class _RaggedCache:
         self.doc_add: torch.Tensor | None = None  # (documents, P): 0 on a prompt's slots, -inf past its end
         # set per forward when prompts are shared (see `arrange`)
         self.grid = self.inv = self.grid_docs = self.prompt_add = None
+        self.arranged: list[int] | None = None  # the rows the grid above was arranged for
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         bufs = []
@@ -372,6 +373,7 @@ class _RaggedCache:
         if self.pkeys is not None:
             keep = idx.tolist()
             self.doc, self.base = [self.doc[i] for i in keep], [self.base[i] for i in keep]
+        self.arranged = None
 
     def share_prompts(self, lens: list[int], expand: int) -> None:
         """After a prefill of one row per document (`lens`: the prompts' lengths):
@@ -383,6 +385,7 @@ class _RaggedCache:
         self.keys = [k.new_zeros((k.shape[0] * expand, k.shape[1], 64, k.shape[3])) for k in self.keys]
         self.values = [v.new_zeros((v.shape[0] * expand, v.shape[1], 64, v.shape[3])) for v in self.values]
         self.doc = [d for d in range(len(lens)) for _ in range(expand)]
+        self.arranged = None
         self.base = [n for n in lens for _ in range(expand)]
         dev = self.pkeys[0].device
         self.doc_add = torch.zeros((len(lens), p), device=dev).masked_fill(
@@ -391,6 +394,9 @@ class _RaggedCache:
     def arrange(self, rows: list[int]) -> None:
         """Before a forward of the rows `rows` (batch indices), prompts shared: their
         documents as a grid of local row indices, one line per document."""
+        if rows == self.arranged:  # a decode step of the rows the last forward had: the grid stands
+            return
+        self.arranged = list(rows)
         dev = self.doc_add.device
         docs = [self.doc[r] for r in rows]
         lines: dict[int, list[int]] = {}
@@ -427,7 +433,7 @@ def width_groups(lengths: Sequence[int], overhead: int | None) -> list[list[int]
     of runs of the rows sorted longest first, so searching runs only is exact.
     `overhead` None: one group, every row in order."""
     n = len(lengths)
-    if overhead is None or n < 2:
+    if overhead is None or n < 2 or min(lengths) == max(lengths):  # equal lengths: one forward is cheapest
         return [list(range(n))]
     order = sorted(range(n), key=lambda i: -lengths[i])
     best = [0.0] + [math.inf] * n  # best[j]: the cheapest split of the first j rows of `order`

@@ -329,6 +329,7 @@ def test_width_groups_is_the_cheapest_partition_of_the_rows():
             assert cost(lens, got, o) == best
     assert engine.width_groups([300, 5, 290, 6], None) == [[0, 1, 2, 3]]  # no split: one forward, in order
     assert engine.width_groups([300, 5, 290, 6], 48) == [[0, 2], [1, 3]]
+    assert engine.width_groups([1] * 32, 48) == [list(range(32))]  # a decode step: one forward, in order
 
 
 def test_a_prefill_of_unequal_prompts_splits_by_length_and_changes_nothing(model):
@@ -687,3 +688,23 @@ def test_timed_parts_times_the_engine_parts_and_restores_them(model):
         pass
     run(model, "hf")
     assert sum(again.values()) == 0
+
+
+def test_the_shared_prompt_grid_is_arranged_again_after_the_rows_change():
+    """A decode step of the same rows reuses the last forward's grid; rows kept in another
+    order (the same count) are other documents' rows, and get their own grid."""
+    def cache_of(lens, expand):
+        cache = engine._RaggedCache(1)
+        cache.keys = cache.values = [torch.zeros((len(lens), 1, max(lens), 2))]
+        cache.share_prompts(lens, expand)
+        return cache
+
+    cache = cache_of([3, 5], 2)  # rows 0, 1 of document 0; rows 2, 3 of document 1
+    cache.arrange([0, 1, 2, 3])
+    cache.select_rows(torch.tensor([2, 0, 3, 1]))  # documents 1, 0, 1, 0
+    cache.arrange([0, 1, 2, 3])
+    fresh = cache_of([3, 5], 2)
+    fresh.select_rows(torch.tensor([2, 0, 3, 1]))
+    fresh.arrange([0, 1, 2, 3])
+    for name in ("grid", "inv", "prompt_add"):
+        assert torch.equal(getattr(cache, name), getattr(fresh, name)), name
