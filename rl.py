@@ -13,6 +13,14 @@ generated token of every branch, in the context it was sampled in, summed and
 divided by the constant n_rollouts x max_new_tokens; a log line, held-out
 evaluation and an atomic checkpoint (`resume=auto`).
 
+Reading one step, in the order `main` runs it:
+- rollouts: `rollout_step` -> engine.rollout (batched decoding; each tool call is run
+  by sandbox.EpisodeBuilder, which keeps the context token-exact);
+- rewards: `score_step` -> rewards.Scorer.score_batch, then `turn_advantages` here;
+- loss and update: `update_batches` and `update` here. The log-probs of every generated
+  token under its own context come from scoring.py (a group's rollouts as one token
+  tree); the optimizer step is training.apply_gradients, the one sft.py takes.
+
 Where this departs from Dr. GRPO and PPO as published:
 - Old log-probs are the sampler's own when mu == 1 and the sampler is the trainer
   (the ratio is then 1 and the loss the plain policy gradient); otherwise the
