@@ -45,7 +45,8 @@ TRL is a bench-only dependency, run in a subprocess by `--trl-python` (default:
 this interpreter), e.g. a venv with the system packages plus `trl==1.16.0`.
 Beside it, the matmul-only bound of our step (bench/bound.py: the linear layers
 of every forward pass it made, with their backward products for the update):
-`ratio_vs_matmul_bound`. The last line is one JSON object.
+`ratio_vs_matmul_bound`, and the rollout's and the update's apart (`rollout_ratio_vs_bound`,
+`update_ratio_vs_bound`). The last line is one JSON object.
 """
 import argparse
 import contextlib
@@ -241,12 +242,17 @@ def run_ours(args, tmp: str, deletes: bool = False) -> dict:
         steps[0][1].__exit__(None, None, None)
     hist = every[1:]  # the first step warms up
     med = lambda k: statistics.median(h[k] for h in hist)  # noqa: E731
-    # the bound of every step, warm-up included, against the time of every step
-    bound_s = replay_seconds(steps[0][0], shapes[0], backward="input" if lora(args) else "full")
-    all_s = sum(h["rollout_s"] + h["update_s"] for h in every)
+    # the bound of every step, warm-up included, against the time of every step: the rollout's
+    # forwards (no autograd) and the update's (forward and backward products) apart
+    backward = "input" if lora(args) else "full"
+    bound = {part: replay_seconds(steps[0][0], [s for s in shapes[0] if s[2] == (part == "update")], backward)
+             for part in ("rollout", "update")}
+    spent = {part: sum(h[f"{part}_s"] for h in every) for part in ("rollout", "update")}
     return {"step_s": med("rollout_s") + med("reward_s") + med("update_s"), "rollout_s": med("rollout_s"),
             "reward_s": med("reward_s"), "update_s": med("update_s"), "len": med("len"),
-            "bound_ratio": bound_s / all_s, "calls": med("search") + med("delete")}
+            "bound_ratio": sum(bound.values()) / sum(spent.values()),
+            **{f"{part}_bound_ratio": bound[part] / spent[part] for part in bound},
+            "calls": med("search") + med("delete")}
 
 
 def lora(args) -> bool:
@@ -406,6 +412,8 @@ def main():
             fig[f"{name}_tok_s"] = n_rollouts * fig[f"{name}_len"] / fig[f"{name}_step_s"]
     # rollout and update time against their linear layers alone (reward excluded: no model runs there)
     fig["ratio_vs_matmul_bound"] = med(ours, "bound_ratio")
+    fig["rollout_ratio_vs_bound"] = med(ours, "rollout_bound_ratio")
+    fig["update_ratio_vs_bound"] = med(ours, "update_bound_ratio")  # forward + backward products
     if trl:
         fig["speedup_vs_trl"] = fig["ours_tok_s"] / fig["trl_tok_s"]
         fig["speedup_target"] = 3.0

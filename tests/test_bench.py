@@ -71,4 +71,5 @@ def test_rl_step_with_a_real_model_runs_its_planned_tool_calls():
     assert out.returncode == 0, out.stderr[-2000:]
     fig = json.loads(out.stdout.strip().splitlines()[-1])
     assert fig["ours_calls"] == 2 and fig["ours_delete_calls"] >= 2
+    assert all(0 < fig[k] < 2 for k in ("ratio_vs_matmul_bound", "rollout_ratio_vs_bound", "update_ratio_vs_bound"))
     assert "trl_step_s" not in fig and "no trl" in out.stderr
