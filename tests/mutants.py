@@ -87,6 +87,9 @@ MUTANTS = [
     ("width groups: a split forward's logits land on the wrong rows", "factual_tools/engine.py",
      "out[torch.tensor(part, device=self.dev)] = logits", "out[torch.tensor(sorted(part)[::-1], device=self.dev)] = logits",
      [WIDTHS]),
+    ("shared prompts: rows kept in another order read the last forward's grid", "factual_tools/engine.py",
+     "[self.base[i] for i in keep]\n        self.arranged = None\n", "[self.base[i] for i in keep]\n",
+     ["tests/test_rollout.py::test_the_shared_prompt_grid_is_arranged_again_after_the_rows_change"]),
 ]
 
 
