@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sandbox
-from factual_tools import common, modeling, vram
+from factual_tools import modeling, vram
 from factual_tools.common import count_parameters
 from factual_tools.modeling import LoraConfig, ModelConfig, frozen_copy, load_policy, reference_model
 from factual_tools.settings import ConfigError, load_config

@@ -175,7 +175,7 @@ def test_seeds_run_each_trained_stage_once_per_seed_with_its_own_outputs():
     for name in ("traces", "traces_rules", "corpus", "sft", "rl", "distill", "eval"):
         outs = {by[(name, k)].output for k in range(3)}
         assert len(outs) == 3, name  # every seed writes its own
-        assert f"seed=2" in by[(name, 2)].argv or name == "corpus", name
+        assert "seed=2" in by[(name, 2)].argv or name == "corpus", name
     assert "init=runs/sft_tiny_s2/final" in by[("rl", 2)].argv
     assert "teacher=runs/rl_tiny_s2/final" in by[("distill", 2)].argv
     assert "traces=[out/traces/newsworld_s1.jsonl,out/traces/rules_s1.jsonl]" in by[("corpus", 1)].argv

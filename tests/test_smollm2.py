@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl
 import sandbox
 import serve
 import sft
