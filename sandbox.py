@@ -387,7 +387,7 @@ class Codec:
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(list(ids), skip_special_tokens=False)
+            return self._backend.decode(list(map(int, ids)), skip_special_tokens=False)  # numpy or tensor ids too
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def piece(self, i: int) -> str:

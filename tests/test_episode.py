@@ -4,6 +4,7 @@ import math
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,6 +272,7 @@ def test_codec_decodes_as_the_tokenizer_does_without_its_python_wrapper(ids):
     tok.decode = lambda *a, **k: pytest.fail("the codec went through the Python decode")
     try:
         assert codec.decode(ids) == want
+        assert codec.decode(torch.tensor(ids, dtype=torch.long)) == want  # ids as a tensor, as the wrapper took them
     finally:
         del tok.decode
 
