@@ -239,14 +239,26 @@ def _ragged_attention(module, query, key, value, attention_mask, *, scaling, cac
     plen = pk.shape[2]
 
     def by_doc(x):  # (n, H_kv, gw, E) -> (docs, H_kv, G * gw, E), absent rows zero
-        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])[grid.flatten()]
+        if not cache.in_order:
+            x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])[grid.flatten()]
         return x.view(nd, gm, hkv, gw, x.shape[-1]).transpose(1, 2).reshape(nd, hkv, gm * gw, x.shape[-1])
 
     def by_row(x):  # the inverse of by_doc
         x = x.view(nd, hkv, gm, gw, x.shape[-1]).transpose(1, 2).reshape(nd * gm, hkv, gw, x.shape[-1])
-        return x[inv]
+        return x if cache.in_order else x[inv]
 
     scale = scaling if scaling is not None else d ** -0.5
+    if q.device.type == "cpu":  # torch's fused kernel on each part, merged by their log-sum-exps
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        dt = value.dtype  # under autocast RoPE may leave the queries and keys in float32
+        q, key, pk, pv = q.to(dt), key.to(dt), pk.to(dt), pv.to(dt)
+        o1, l1 = flash(by_doc(q), pk, pv, attn_mask=cache.mask("prompt", dt), scale=scale)
+        o1, l1 = by_row(o1), by_row(l1[..., None])
+        o2, l2 = flash(q, key, value, attn_mask=cache.mask("own", dt, attention_mask, h // hkv), scale=scale)
+        top = torch.maximum(l1, l2[..., None])
+        a1, a2 = (l1 - top).exp(), (l2[..., None] - top).exp()
+        out = ((o1 * a1 + o2 * a2) / (a1 + a2)).to(value.dtype)
+        return out.reshape(n, h, w, d).transpose(1, 2).contiguous(), None  # (n, W, H, D)
     prompt = by_row(torch.matmul(by_doc(q), pk.transpose(-1, -2))) + cache.prompt_add  # (n, H_kv, gw, P)
     own = torch.matmul(q, key.transpose(-1, -2))  # (n, H_kv, gw, T)
     mask = attention_mask if w == 1 else attention_mask.repeat(1, 1, h // hkv, 1)  # (n, 1, gw, T)
@@ -342,7 +354,9 @@ class _RaggedCache:
         self.doc_add: torch.Tensor | None = None  # (documents, P): 0 on a prompt's slots, -inf past its end
         # set per forward when prompts are shared (see `arrange`)
         self.grid = self.inv = self.grid_docs = self.prompt_add = None
+        self.in_order = False  # the grid is every row in order, a document's rows together: no gather
         self.arranged: list[int] | None = None  # the rows the grid above was arranged for
+        self.masks: dict = {}  # additive masks of the current forward, by part and dtype (see `mask`)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         bufs = []
@@ -412,6 +426,23 @@ class _RaggedCache:
         order = list(lines)  # every document, in order: the prompt buffers are read as they are
         self.grid_docs = None if order == list(range(self.doc_add.shape[0])) else torch.tensor(order, device=dev)
         self.prompt_add = self.doc_add[torch.tensor(docs, device=dev)][:, None, None]  # (n, 1, 1, P)
+        self.in_order = self.grid_docs is None and grid.flatten().tolist() == list(range(len(rows)))
+
+    def mask(self, part: str, dtype: torch.dtype, own: torch.Tensor | None = None, heads: int = 1) -> torch.Tensor:
+        """An additive mask for torch's fused CPU kernel (0 where a query may attend,
+        -inf elsewhere), made once per forward and dtype and read by every layer: the
+        shared prompts' ("prompt", (docs, 1, 1, P)) or the rows' own slots' ("own",
+        from the forward's bool mask `own`, (n, 1, W, T), its W queries stacked
+        `heads` times as `_ragged_attention` stacks them)."""
+        if (part, dtype) not in self.masks:
+            if part == "prompt":
+                add = self.doc_add if self.grid_docs is None else self.doc_add[self.grid_docs]
+                m = add[:, None, None].to(dtype)
+            else:
+                own = own if own.shape[2] == 1 else own.repeat(1, 1, heads, 1)
+                m = torch.zeros(own.shape, dtype=dtype, device=own.device).masked_fill(~own, float("-inf"))
+            self.masks[part, dtype] = m
+        return self.masks[part, dtype]
 
 
 MIN_COMMON_PREFIX = 16  # shorter shared openings are prefilled with the rest
@@ -541,6 +572,7 @@ class _Batch:
         extra = {}
         if shared:
             cache.arrange(rows)
+            cache.masks = {}
             extra["ragged"] = cache
         # the output head runs only where some row's next id is read: a prompt's or a
         # results block's logits at every position would cost a (n, W, V) product
@@ -611,6 +643,66 @@ def _as_index(d) -> sandbox.DocIndex:
 
 
 @torch.no_grad()
+def _foldable_adapters(model) -> list:
+    """The LoRA layers whose active adapters `merged_adapters` can fold into a copy of
+    their weight, or [] when the model is not a LoRA model on a CPU or some active
+    adapter computes what a fold would not (its layer not a plain nn.Linear, such as a
+    quantised one; a variant such as DoRA; a bias on B; modules kept whole): the
+    fold is all or nothing, since the adapters are switched off together."""
+    if not getattr(model, "peft_config", None) or not hasattr(model, "disable_adapter"):
+        return []
+    if next(model.parameters()).device.type != "cpu":
+        return []  # not measured on a GPU, where the copies would cost the most memory
+    from peft.tuners.lora import LoraLayer
+
+    if any(getattr(c, "modules_to_save", None) or getattr(c, "peft_type", None) != "LORA"
+           for c in model.peft_config.values()):
+        return []
+    folds = []
+    for m in model.modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        active = [a for a in m.active_adapters if a in m.scaling]  # every kind of layer keeps its scale
+        if not active:
+            continue
+        if (type(m.get_base_layer()) is not torch.nn.Linear or m.merged
+                or any(a in getattr(m, "lora_variant", {}) or m.use_dora.get(a) or getattr(m, "lora_bias", {}).get(a)
+                       for a in active)):
+            return []
+        folds.append((m, active))
+    return folds
+
+
+@contextmanager
+def merged_adapters(model):
+    """Inside the block a LoRA model on a CPU decodes with each adapter folded into a
+    copy of its layer's weight (W + scale B A) and its adapters switched off: one
+    product per projection instead of three (base, A, B), and none of the adapter's
+    elementwise passes. SmolLM2 with a rank-16 adapter on every projection wrote an
+    RL step's rollouts 12% faster (bench/rl_step.py). The copies cost one more set of
+    the adapted weights while decoding. The original weights are put back as they were
+    (the same tensors, never written), so training goes on exactly; the sampled
+    log-probs differ from the unfolded model's by rounding only (about 1e-5 in fp32).
+    A model `_foldable_adapters` refuses decodes as it is."""
+    folds = _foldable_adapters(model)
+    if not folds:
+        yield model
+        return
+    saved = []
+    try:
+        with torch.no_grad():
+            for m, active in folds:
+                base = m.get_base_layer()
+                folded = base.weight + sum(m.get_delta_weight(a) for a in active)
+                saved.append((base, base.weight))
+                base.weight = torch.nn.Parameter(folded, requires_grad=False)
+        with model.disable_adapter():
+            yield model
+    finally:
+        for base, weight in saved:
+            base.weight = weight
+
+
 def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: SamplingConfig | None = None,
             limits: sandbox.Limits | None = None, *, logits_processor: Callable | None = None,
             record_contexts: bool = False, generator: torch.Generator | None = None,
@@ -639,7 +731,8 @@ def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: Sam
         generator = generator or make_generator(cfg.seed, model)
         per_chunk = max(1, cfg.batch_size // group_size)
         episodes: list[sandbox.Episode] = []
-        with tqdm(total=len(documents), desc=progress, unit="doc", leave=False, disable=progress is None) as bar:
+        with merged_adapters(model), tqdm(total=len(documents), desc=progress, unit="doc", leave=False,
+                                          disable=progress is None) as bar:
             for s in range(0, len(documents), per_chunk):
                 chunk = documents[s:s + per_chunk]
                 episodes += _rollout_chunk(model, tokenizer, chunk, group_size, cfg, limits,

@@ -90,6 +90,14 @@ MUTANTS = [
     ("shared prompts: rows kept in another order read the last forward's grid", "factual_tools/engine.py",
      "[self.base[i] for i in keep]\n        self.arranged = None\n", "[self.base[i] for i in keep]\n",
      ["tests/test_rollout.py::test_the_shared_prompt_grid_is_arranged_again_after_the_rows_change"]),
+    ("shared prompts: a full grid of rows out of document order attends without its gather",
+     "factual_tools/engine.py",
+     "self.in_order = self.grid_docs is None and grid.flatten().tolist() == list(range(len(rows)))",
+     "self.in_order = grid.numel() == len(rows)",
+     ["tests/test_rollout.py::test_shared_prompt_attention_equals_attention_over_each_rows_whole_context"]),
+    ("folded adapters: the original weights are not put back after decoding", "factual_tools/engine.py",
+     "        for base, weight in saved:\n            base.weight = weight\n", "        saved.clear()\n",
+     ["tests/test_rollout.py::test_a_lora_policy_decodes_with_its_adapter_folded_in_and_gets_its_weights_back"]),
 ]
 
 

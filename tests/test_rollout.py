@@ -1,5 +1,6 @@
 """The rollout engine: exactness against the re-prefilling oracle, recorded
 contexts, sampler log-probs reproduced by scoring, and the api backend."""
+import contextlib
 import time
 
 import pytest
@@ -708,3 +709,102 @@ def test_the_shared_prompt_grid_is_arranged_again_after_the_rows_change():
     fresh.arrange([0, 1, 2, 3])
     for name in ("grid", "inv", "prompt_add"):
         assert torch.equal(getattr(cache, name), getattr(fresh, name)), name
+
+
+def lora_llama(seed: int = 0, **lora):
+    """tiny_llama with a LoRA adapter whose B is not zero (a fresh one would change nothing)."""
+    import peft
+
+    model = peft.get_peft_model(tiny_llama(TOK, seed=seed), peft.LoraConfig(
+        r=4, lora_alpha=8, **{"target_modules": "all-linear", **lora}))
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def adapter_calls(model):
+    """A Counter of the LoRA A modules' forwards (it counts while the hooks stay)."""
+    import collections
+
+    calls = collections.Counter()
+    for name, m in model.named_modules():
+        if name.endswith("lora_A.default") or name.endswith("lora_embedding_A"):
+            m.register_forward_hook(lambda *a: calls.update(["A"]))
+    return calls
+
+
+@pytest.mark.parametrize("lora, folded", [({}, True), ({"use_dora": True}, False),
+                                          ({"target_modules": ["q_proj", "embed_tokens"]}, False)])
+def test_a_lora_policy_decodes_with_its_adapter_folded_in_and_gets_its_weights_back(monkeypatch, lora, folded):
+    """The fold (`merged_adapters`) writes what the adapter computing beside its base writes,
+    keeps the adapter off while decoding, and leaves every parameter the same tensor with the
+    same values; DoRA and an adapter on an embedding are not folded, and decode as they are."""
+    model = lora_llama(**lora)
+    ids = torch.tensor([TOK.encode(DOC)[:20]])
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    calls = adapter_calls(model)
+    eps = run(model, "hf")
+    assert (calls["A"] == 0) == folded, calls
+    with monkeypatch.context() as m:
+        m.setattr(engine, "merged_adapters", contextlib.nullcontext)
+        plain = run(model, "hf")
+    assert calls["A"] > 0
+    assert_same(eps, plain)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for n, (p, value) in before.items():
+        assert after[n] is p and torch.equal(p, value), n
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)  # the adapter is on again
+    assert model.training
+
+
+def test_the_shared_prompt_attention_gathers_only_rows_out_of_order(model):
+    """Rows of documents in order (every document's G rows together) attend without a
+    gather, rows in any other order through one; both equal re-prefilling."""
+    seen = []
+    arrange = engine._RaggedCache.arrange
+
+    def spy(self, rows):
+        arrange(self, rows)
+        seen.append(self.in_order)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine._RaggedCache, "arrange", spy)
+        hf = run(model, "hf", group=3)
+    assert True in seen and False in seen  # some rows finish early or write a results block
+    assert_same(hf, run(model, "hf_naive", group=3))
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 0, 3, 1], [0, 1, 2]])
+def test_shared_prompt_attention_equals_attention_over_each_rows_whole_context(order):
+    """`_ragged_attention` on rows in document order (no gather), interleaved (a full grid
+    out of order) and with a document short of a row: each row's output is attention over
+    its prompt's keys followed by its own unmasked slots, 4 query heads on 2 KV heads."""
+    torch.manual_seed(0)
+    lens, h, hkv, d, w, t = [3, 5], 4, 2, 8, 2, 6
+    cache = engine._RaggedCache(1)
+    cache.keys = cache.values = [torch.zeros((2, hkv, 5, d))]
+    cache.share_prompts(lens, 2)  # rows 0, 1 of document 0; rows 2, 3 of document 1
+    cache.pkeys, cache.pvalues = [torch.randn(2, hkv, 5, d)], [torch.randn(2, hkv, 5, d)]
+    cache.select_rows(torch.tensor(order))
+    cache.arrange(list(range(len(order))))
+    n = len(order)
+    q, k, v = torch.randn(n, h, w, d), torch.randn(n, hkv, t, d), torch.randn(n, hkv, t, d)
+    mask = torch.rand(n, 1, w, t) > 0.4
+    mask[..., 0] = True
+    out, _ = engine._ragged_attention(type("Layer", (), {"layer_idx": 0}), q, k, v, mask, scaling=0.3, cache=cache)
+    for r in range(n):
+        doc, base = cache.doc[r], cache.base[r]
+        for head in range(h):
+            kv = head // (h // hkv)
+            for i in range(w):
+                keys = torch.cat([cache.pkeys[0][doc, kv, :base], k[r, kv][mask[r, 0, i]]])
+                vals = torch.cat([cache.pvalues[0][doc, kv, :base], v[r, kv][mask[r, 0, i]]])
+                want = ((keys @ q[r, head, i]) * 0.3).softmax(-1) @ vals
+                assert torch.allclose(out[r, i, head], want, atol=1e-5), (r, head, i)
