@@ -22,6 +22,9 @@ the same tokens:
 - with --model, where the CPU has native bf16 (or with --bf16), the engine under
   bf16 autocast beside fp32 (`ratio_bf16_vs_fp32`): what `autocast: auto` buys,
   and its own bound ratio (`bf16_ratio_vs_matmul_bound`, the products in bf16);
+- with --model, the engine on the model with a rank-16 LoRA on every projection,
+  its adapter folded into the weights while decoding (the engine's default on a
+  CPU) against computed beside them (`lora_fold_speedup`);
 - with --model, a profile: one more run with each part of the engine timed
   (`*_share_*`, fractions of its wall time): the linear layers (the bound's
   replay), attention over the ragged cache, the rest of the forward (norms,
@@ -250,6 +253,8 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
         scoring = {}
         print(f"{name}: no rollout deleted anything in {n_new} tokens, so tree and per-branch scoring are not "
               f"compared (raise --new-tokens)", file=sys.stderr)
+    if real:  # last, since it puts an adapter on the model: what folding it in buys (engine.merged_adapters)
+        profile.update(lora_fold(model, tok, texts, group, proc, n_new, args.reps, name))
     med = {k: statistics.median(v) for k, v in res.items()}
     out = {
         f"{name}_tok_s_hf": med["hf"], f"{name}_tok_s_plain": med["plain"],
@@ -274,6 +279,37 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
         out[f"{name}_tok_s_hf_bf16"] = med["hf_bf16"]
         out[f"{name}_ratio_bf16_vs_fp32"] = med["hf_bf16"] / med["hf"]
     return out
+
+
+def lora_fold(model, tok, texts, group, proc, n_new, reps: int, name: str) -> dict:
+    """The engine on `model` with a rank-16 LoRA on every projection (as configs/rl_smollm.yaml
+    trains it; B drawn, so the adapter changes the model), its adapter folded into the
+    weights while decoding (the engine's default on a CPU) against computed beside them."""
+    import contextlib
+    import peft
+
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                        task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    cfg = engine.SamplingConfig(backend="hf", temperature=0.0, max_new_tokens=n_new, batch_size=len(texts) * group)
+    times = {"folded": [], "beside": []}
+    saved = engine.merged_adapters
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            for kind in times:
+                engine.merged_adapters = saved if kind == "folded" else contextlib.nullcontext
+                t0 = time.perf_counter()
+                eps = engine.rollout(lora, tok, texts, group, cfg, logits_processor=proc)
+                if rep:
+                    times[kind].append(sum(len(t.ids) for e in eps for t in e.turns) / (time.perf_counter() - t0))
+    finally:
+        engine.merged_adapters = saved
+    folded, beside = statistics.median(times["folded"]), statistics.median(times["beside"])
+    return {f"{name}_tok_s_lora_folded": folded, f"{name}_tok_s_lora_beside": beside,
+            f"{name}_lora_fold_speedup": folded / beside}
 
 
 def score_trees_vs_branches(model, episodes, reps: int, name: str) -> dict:

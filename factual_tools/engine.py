@@ -220,9 +220,11 @@ def _ragged_attention(module, query, key, value, attention_mask, *, scaling, cac
 
     A document's rows are stacked as extra query rows against its prompt, so the
     prompt's keys and values are read once per group, not once per rollout; the two
-    parts are scored, normalised by one softmax and summed: the same function of the
-    same context as attention over the concatenated keys. The H / H_kv query heads
-    of a KV head are stacked the same way, so no KV head is repeated."""
+    parts are scored, normalised by one softmax and summed (on a CPU each part goes
+    through torch's fused kernel and the two are merged by their log-sum-exps): the
+    same function of the same context as attention over the concatenated keys. The
+    H / H_kv query heads of a KV head are stacked the same way, so no KV head is
+    repeated. Rows in document order (`cache.in_order`) are stacked by a reshape alone."""
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the hf engine's shared-prompt attention has no {name}; load the model "
@@ -642,7 +644,6 @@ def _as_index(d) -> sandbox.DocIndex:
     return sandbox.index_for(getattr(d, "text", d))
 
 
-@torch.no_grad()
 def _foldable_adapters(model) -> list:
     """The LoRA layers whose active adapters `merged_adapters` can fold into a copy of
     their weight, or [] when the model is not a LoRA model on a CPU or some active
@@ -678,9 +679,8 @@ def merged_adapters(model):
     """Inside the block a LoRA model on a CPU decodes with each adapter folded into a
     copy of its layer's weight (W + scale B A) and its adapters switched off: one
     product per projection instead of three (base, A, B), and none of the adapter's
-    elementwise passes. SmolLM2 with a rank-16 adapter on every projection wrote an
-    RL step's rollouts 12% faster (bench/rl_step.py). The copies cost one more set of
-    the adapted weights while decoding. The original weights are put back as they were
+    elementwise passes (`python bench/rollout.py --model smollm2-135m` prints what it
+    buys). The copies cost one more set of the adapted weights while decoding. The original weights are put back as they were
     (the same tensors, never written), so training goes on exactly; the sampled
     log-probs differ from the unfolded model's by rounding only (about 1e-5 in fp32).
     A model `_foldable_adapters` refuses decodes as it is."""
@@ -703,6 +703,7 @@ def merged_adapters(model):
             base.weight = weight
 
 
+@torch.no_grad()
 def rollout(model, tokenizer, documents: Sequence, group_size: int = 1, cfg: SamplingConfig | None = None,
             limits: sandbox.Limits | None = None, *, logits_processor: Callable | None = None,
             record_contexts: bool = False, generator: torch.Generator | None = None,

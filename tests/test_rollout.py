@@ -256,6 +256,18 @@ def test_rollouts_run_in_eval_mode_and_restore_training():
     assert_same(a, b, tol=0)  # no dropout noise between two greedy rollouts
 
 
+def test_rollouts_record_no_autograd_graph(model):
+    """Every forward of a rollout runs with autograd off, a LoRA policy's folded one too."""
+    for m in (model, lora_llama()):
+        grad_on = []
+        hook = m.get_input_embeddings().register_forward_hook(lambda *a: grad_on.append(torch.is_grad_enabled()))
+        try:
+            run(m, "hf", docs=[DOC[:200]], group=2, max_new=8)
+        finally:
+            hook.remove()
+        assert grad_on and not any(grad_on)
+
+
 def test_max_new_tokens_truncates(model):
     eps = run(model, "hf", max_new=10)
     assert all(sum(len(t.ids) for t in e.turns) <= 10 for e in eps)
