@@ -254,7 +254,7 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
         print(f"{name}: no rollout deleted anything in {n_new} tokens, so tree and per-branch scoring are not "
               f"compared (raise --new-tokens)", file=sys.stderr)
     if real:  # last, since it puts an adapter on the model: what folding it in buys (engine.merged_adapters)
-        profile.update(lora_fold(model, tok, texts, group, proc, n_new, args.reps, name))
+        profile.update(lora_fold(model, tok, texts, group, proc, n_new, reps=args.reps, name=name))
     med = {k: statistics.median(v) for k, v in res.items()}
     out = {
         f"{name}_tok_s_hf": med["hf"], f"{name}_tok_s_plain": med["plain"],
@@ -281,7 +281,7 @@ def bench_engine(model_name, args, docs, group, n_new, real, *, name=None):
     return out
 
 
-def lora_fold(model, tok, texts, group, proc, n_new, reps: int, name: str) -> dict:
+def lora_fold(model, tok, texts, group, proc, n_new, *, reps: int, name: str) -> dict:
     """The engine on `model` with a rank-16 LoRA on every projection (as configs/rl_smollm.yaml
     trains it; B drawn, so the adapter changes the model), its adapter folded into the
     weights while decoding (the engine's default on a CPU) against computed beside them."""
