@@ -776,9 +776,10 @@ def test_a_lora_policy_decodes_with_its_adapter_folded_in_and_gets_its_weights_b
     assert model.training
 
 
-def test_the_shared_prompt_attention_gathers_only_rows_out_of_order(model):
-    """Rows of documents in order (every document's G rows together) attend without a
-    gather, rows in any other order through one; both equal re-prefilling."""
+def test_the_shared_prompt_attention_gathers_only_when_some_documents_rows_are_missing(model):
+    """A forward of every row, each document's G rows together, attends without a gather;
+    a forward of some rows only (rows ended, a results block) through one; both equal
+    re-prefilling."""
     seen = []
     arrange = engine._RaggedCache.arrange
 
