@@ -409,7 +409,9 @@ class _RaggedCache:
 
     def arrange(self, rows: list[int]) -> None:
         """Before a forward of the rows `rows` (batch indices), prompts shared: their
-        documents as a grid of local row indices, one line per document."""
+        documents as a grid of local row indices, one line per document. The forward's
+        masks (`mask`) are made again."""
+        self.masks = {}
         if rows == self.arranged:  # a decode step of the rows the last forward had: the grid stands
             return
         self.arranged = list(rows)
@@ -574,7 +576,6 @@ class _Batch:
         extra = {}
         if shared:
             cache.arrange(rows)
-            cache.masks = {}
             extra["ragged"] = cache
         # the output head runs only where some row's next id is read: a prompt's or a
         # results block's logits at every position would cost a (n, W, V) product
@@ -667,8 +668,7 @@ def _foldable_adapters(model) -> list:
         if not active:
             continue
         if (type(m.get_base_layer()) is not torch.nn.Linear or m.merged
-                or any(a in getattr(m, "lora_variant", {}) or m.use_dora.get(a) or getattr(m, "lora_bias", {}).get(a)
-                       for a in active)):
+                or any(a in m.lora_variant or m.lora_bias.get(a) for a in active)):  # a variant: DoRA and others
             return []
         folds.append((m, active))
     return folds
